@@ -1,0 +1,162 @@
+"""Request and response bodies of the HTTP API: Ray's Jobs API shapes plus our extensions."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from jobs_server.manager import JobRecord, JobSpec, JobStatus
+
+SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
+
+
+def _not_dot_path(value: str) -> str:
+    if value in {".", ".."}:
+        raise ValueError("must not be '.' or '..'")
+    return value
+
+
+def _no_nul(value: str) -> str:
+    if "\x00" in value:
+        raise ValueError("must not contain NUL characters")
+    return value
+
+
+SubmissionId = Annotated[str, Field(pattern=SUBMISSION_ID_PATTERN), AfterValidator(_not_dot_path)]
+NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class SubmitJobRequest(BaseModel):
+    """`POST /api/jobs/`: what Ray's `JobSubmissionClient.submit_job` sends."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+    entrypoint: Annotated[str, Field(min_length=1, max_length=128 * 1024), AfterValidator(_no_nul)]
+    submission_id: SubmissionId | None = None
+    job_id: SubmissionId | None = Field(None, description="Deprecated alias of submission_id.")
+    runtime_env: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    entrypoint_num_cpus: NonNegativeNumber | None = None
+    entrypoint_num_gpus: NonNegativeNumber | None = None
+    entrypoint_memory: Annotated[int, Field(ge=0)] | None = None
+    entrypoint_resources: dict[str, NonNegativeNumber] | None = None
+    entrypoint_label_selector: dict[str, str] | None = None
+
+    def to_spec(self, default_submission_id: str) -> JobSpec:
+        return JobSpec(
+            entrypoint=self.entrypoint,
+            submission_id=self.submission_id or self.job_id or default_submission_id,
+            runtime_env=self.runtime_env or {},
+            metadata=self.metadata or {},
+            entrypoint_num_cpus=self.entrypoint_num_cpus,
+            entrypoint_num_gpus=self.entrypoint_num_gpus,
+            entrypoint_memory=self.entrypoint_memory,
+            entrypoint_resources=self.entrypoint_resources or {},
+            entrypoint_label_selector=self.entrypoint_label_selector or {},
+        )
+
+
+class SubmitJobResponse(BaseModel):
+    job_id: str = Field(description="Same as submission_id (Ray keeps it for old clients).")
+    submission_id: str
+
+
+class StopJobRequest(BaseModel):
+    """Optional body of `POST /api/jobs/{id}/stop` (an extension; Ray's clients send none)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    grace_period_s: NonNegativeNumber | None = None
+
+
+class StopJobResponse(BaseModel):
+    stopped: bool
+
+
+class DeleteJobResponse(BaseModel):
+    deleted: bool
+
+
+class JobLogsResponse(BaseModel):
+    logs: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+    ray_version: str
+    ray_commit: str
+    session_name: str | None
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"] = "ok"
+
+
+class PackageResponse(BaseModel):
+    uri: str
+
+
+class JobDetails(BaseModel):
+    """Ray's `JobDetails`: every field present, null where unknown."""
+
+    type: Literal["SUBMISSION"] = "SUBMISSION"
+    job_id: str | None
+    submission_id: str
+    driver_info: dict[str, str] | None
+    status: JobStatus
+    entrypoint: str
+    message: str | None
+    error_type: str | None
+    start_time: int | None
+    end_time: int | None
+    metadata: dict[str, str]
+    runtime_env: dict[str, Any]
+    driver_agent_http_address: str | None
+    driver_node_id: str | None
+    driver_exit_code: int | None
+    entrypoint_num_cpus: float | None
+    entrypoint_num_gpus: float | None
+    entrypoint_memory: int | None
+    entrypoint_resources: dict[str, float] | None
+
+    @classmethod
+    def from_record(cls, record: JobRecord) -> JobDetails:
+        spec = record.spec
+        driver_info = None
+        if record.driver_pid is not None:
+            driver_info = {
+                "id": spec.submission_id,
+                "node_ip_address": record.driver_node_ip or "",
+                "pid": str(record.driver_pid),
+            }
+        return cls(
+            # Ray's job_id names a Ray driver; a shell command may never start one.
+            job_id=None,
+            submission_id=spec.submission_id,
+            driver_info=driver_info,
+            status=record.status,
+            entrypoint=spec.entrypoint,
+            message=record.message,
+            error_type=record.error_type,
+            start_time=record.start_time,
+            end_time=record.end_time,
+            metadata=spec.metadata,
+            runtime_env=spec.runtime_env,
+            driver_agent_http_address=None,
+            driver_node_id=record.driver_node_id,
+            driver_exit_code=record.driver_exit_code,
+            entrypoint_num_cpus=spec.entrypoint_num_cpus,
+            entrypoint_num_gpus=spec.entrypoint_num_gpus,
+            entrypoint_memory=spec.entrypoint_memory,
+            entrypoint_resources=spec.entrypoint_resources or None,
+        )
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail

@@ -1,0 +1,73 @@
+"""The application factory: the one place that wires settings, Ray, the manager and the routes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from aiohttp import web
+
+from jobs_server.keys import CLUSTER_INFO_KEY, JOB_MANAGER_KEY, PACKAGE_STORE_KEY, SETTINGS_KEY
+from jobs_server.manager import (
+    JobManager,
+    PackageStore,
+    connect_to_ray,
+    disconnect_from_ray,
+    read_cluster_info,
+)
+from jobs_server.middlewares import error_middleware
+from jobs_server.routes import ROUTE_TABLES
+from jobs_server.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+# Headroom over the largest package for the request line and headers.
+_BODY_LIMIT_MARGIN_BYTES = 64 * 1024
+
+
+def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.Application:
+    """Build the app; it joins Ray and starts the manager on startup, and undoes both on cleanup.
+
+    Pass `manager` to use one that the caller owns (it is neither started nor closed here).
+    """
+    app = web.Application(
+        middlewares=[error_middleware],
+        client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
+    )
+    app[SETTINGS_KEY] = settings
+    app.cleanup_ctx.append(_ray_and_manager(manager))
+    for table in ROUTE_TABLES:
+        app.router.add_routes(table)
+    return app
+
+
+def _ray_and_manager(
+    given_manager: JobManager | None,
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def ray_and_manager(app: web.Application) -> AsyncIterator[None]:
+        settings = app[SETTINGS_KEY]
+        # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
+        # that Ray expects.
+        connection = connect_to_ray(
+            settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
+        )
+        manager = given_manager or JobManager(
+            gcs_address=connection.gcs_address,
+            namespace=settings.namespace,
+            log_dir=settings.log_dir,
+            stop_grace_s=settings.stop_grace_s,
+        )
+        app[JOB_MANAGER_KEY] = manager
+        app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)
+        app[CLUSTER_INFO_KEY] = await read_cluster_info(connection.gcs_address)
+        if given_manager is None:
+            await manager.start()
+        try:
+            yield
+        finally:
+            if given_manager is None:
+                await manager.close()
+            await asyncio.to_thread(disconnect_from_ray, connection)
+
+    return ray_and_manager

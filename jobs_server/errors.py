@@ -1,0 +1,76 @@
+"""Domain errors. Each has a stable `code`; the HTTP layer maps each class to a status once.
+
+JobsServerError
+├── InvalidRequestError        the request is malformed or fails validation
+│   └── InvalidRuntimeEnvError the runtime_env is rejected by Ray
+├── JobNotFoundError           no job with that id
+├── PackageNotFoundError       no uploaded package with that URI
+├── ConflictError              the request conflicts with the job's state
+│   ├── DuplicateJobError      the submission_id is taken
+│   └── JobNotTerminalError    deleting a job that has not ended
+├── PayloadTooLargeError       a body over the configured limit
+├── UnsupportedMediaTypeError  a body that is not JSON
+└── ClusterUnavailableError    Ray could not be reached
+"""
+
+from __future__ import annotations
+
+
+class JobsServerError(Exception):
+    """Base class of every error the server reports to a client."""
+
+    code = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequestError(JobsServerError):
+    code = "invalid_request"
+
+
+class InvalidRuntimeEnvError(InvalidRequestError):
+    code = "invalid_runtime_env"
+
+
+class JobNotFoundError(JobsServerError):
+    code = "job_not_found"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"Job {job_id!r} does not exist.")
+        self.job_id = job_id
+
+
+class PackageNotFoundError(JobsServerError):
+    code = "package_not_found"
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(f"Package {uri!r} does not exist.")
+
+
+class ConflictError(JobsServerError):
+    code = "conflict"
+
+
+class DuplicateJobError(ConflictError):
+    code = "duplicate_submission_id"
+
+    def __init__(self, submission_id: str) -> None:
+        super().__init__(f"A job with submission_id {submission_id!r} already exists.")
+
+
+class JobNotTerminalError(ConflictError):
+    code = "job_not_terminal"
+
+
+class PayloadTooLargeError(JobsServerError):
+    code = "payload_too_large"
+
+
+class ClusterUnavailableError(JobsServerError):
+    code = "cluster_unavailable"
+
+
+class UnsupportedMediaTypeError(JobsServerError):
+    code = "unsupported_media_type"

@@ -1,0 +1,13 @@
+"""Typed application state: every `web.AppKey` the app uses, in one place."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jobs_server.manager import ClusterInfo, JobManager, PackageStore
+from jobs_server.settings import Settings
+
+SETTINGS_KEY = web.AppKey("settings", Settings)
+JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
+PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
+CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)

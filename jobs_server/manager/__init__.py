@@ -1,0 +1,30 @@
+"""The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
+
+from jobs_server.manager.job_manager import JobManager, new_submission_id
+from jobs_server.manager.logs import LogChunk
+from jobs_server.manager.packages import PackageStore, package_uri
+from jobs_server.manager.ray_cluster import (
+    ClusterInfo,
+    RayConnection,
+    connect_to_ray,
+    disconnect_from_ray,
+    read_cluster_info,
+)
+from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
+
+__all__ = [
+    "ClusterInfo",
+    "JobErrorType",
+    "JobManager",
+    "JobRecord",
+    "JobSpec",
+    "JobStatus",
+    "LogChunk",
+    "PackageStore",
+    "RayConnection",
+    "connect_to_ray",
+    "disconnect_from_ray",
+    "new_submission_id",
+    "package_uri",
+    "read_cluster_info",
+]

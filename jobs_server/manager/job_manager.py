@@ -1,0 +1,244 @@
+"""JobManager: submits, watches, stops, lists and deletes jobs. It knows nothing of HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import string
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import cloudpickle
+from ray.exceptions import ActorDiedError, ActorUnschedulableError, RuntimeEnvSetupError
+from ray.runtime_env import RuntimeEnv
+
+import jobs_server
+from jobs_server.errors import (
+    InvalidRuntimeEnvError,
+    JobNotFoundError,
+    JobNotTerminalError,
+)
+from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.logs import LogChunk, job_log_path, read_log_chunks
+from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor import JobSupervisor, SupervisedJob
+
+logger = logging.getLogger(__name__)
+
+# The supervisor's code travels with the actor, pickled by value, so a worker node needs nothing
+# but Ray: no jobs_server installed, no runtime env to build before a job can start.
+cloudpickle.register_pickle_by_value(jobs_server)
+
+SUBMISSION_ID_PREFIX = "raysubmit_"
+_SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
+
+
+def new_submission_id() -> str:
+    """A random id in Ray's format, e.g. raysubmit_4LamXRuQpYdSMg7J."""
+    return SUBMISSION_ID_PREFIX + "".join(
+        secrets.choice(_SUBMISSION_ID_ALPHABET) for _ in range(16)
+    )
+
+
+class JobManager:
+    """Owns every job of one server: its record, its supervisor actor, and a task watching it."""
+
+    def __init__(
+        self, *, gcs_address: str, namespace: str, log_dir: Path, stop_grace_s: float
+    ) -> None:
+        self._namespace = namespace
+        self._log_dir = log_dir
+        self._stop_grace_s = stop_grace_s
+        self._store = JobStore(GcsKv(gcs_address, namespace))
+        self._watchers: dict[str, asyncio.Task[None]] = {}
+
+    async def start(self) -> None:
+        """Pick up the jobs a previous server left running: watch them, or fail the orphans."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        for record in await self._store.list():
+            if record.status.is_terminal():
+                continue
+            supervisor = await asyncio.to_thread(self._find_supervisor, record.submission_id)
+            if supervisor is None:
+                await self._store.update(
+                    record.submission_id,
+                    status=JobStatus.FAILED,
+                    error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                    message="The job's supervisor no longer exists; its processes are gone.",
+                )
+            else:
+                self._watch(record.submission_id, supervisor)
+        logger.info("job manager ready; watching %d jobs", len(self._watchers))
+
+    async def close(self) -> None:
+        """Stop watching; the jobs themselves run on in their detached supervisors."""
+        watchers = list(self._watchers.values())
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        self._watchers.clear()
+
+    async def submit_job(self, spec: JobSpec) -> JobRecord:
+        """Record the job and hand it to a new supervisor; return at once, the job PENDING."""
+        _validate_runtime_env(spec.runtime_env)
+        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
+        await self._store.create(record)
+        try:
+            supervisor = self._create_supervisor(spec)
+        except Exception as error:
+            # Either the job exists and runs, or it does not exist.
+            await self._store.delete(spec.submission_id)
+            if isinstance(error, ValueError | TypeError):
+                raise InvalidRuntimeEnvError(f"Invalid job options: {error}") from error
+            raise
+        self._watch(spec.submission_id, supervisor)
+        return record
+
+    async def get_job(self, submission_id: str) -> JobRecord:
+        return await self._store.get(submission_id)
+
+    async def list_jobs(self) -> list[JobRecord]:
+        return await self._store.list()
+
+    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
+        """Ask a job to stop; return False if it had already ended."""
+        record = await self._store.get(submission_id)
+        if record.status.is_terminal():
+            return False
+        supervisor = await asyncio.to_thread(self._find_supervisor, submission_id)
+        if record.status is JobStatus.PENDING or supervisor is None:
+            # The command has not started: stop it from ever starting.
+            await self._store.update(
+                submission_id,
+                status=JobStatus.STOPPED,
+                message="Job was stopped before it started.",
+            )
+            if supervisor is not None:
+                ray.kill(supervisor, no_restart=True)
+            return True
+        await supervisor.stop.remote(grace_period_s)
+        return True
+
+    async def delete_job(self, submission_id: str) -> None:
+        """Forget a job that has ended: its record and its log file."""
+        record = await self._store.get(submission_id)
+        if not record.status.is_terminal():
+            raise JobNotTerminalError(
+                f"Job {submission_id!r} is {record.status}; only a job that has ended can be "
+                "deleted. Stop it first."
+            )
+        await self._store.delete(submission_id)
+        job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
+
+    async def read_logs(
+        self, submission_id: str, *, offset: int = 0, follow: bool = False
+    ) -> AsyncGenerator[LogChunk, None]:
+        """The job's log from `offset`; raises JobNotFoundError now, before any chunk is read."""
+        await self._store.get(submission_id)
+
+        async def job_is_terminal() -> bool:
+            try:
+                return (await self._store.get(submission_id)).status.is_terminal()
+            except JobNotFoundError:
+                return True  # deleted while being read: nothing more will be written
+
+        return read_log_chunks(
+            job_log_path(self._log_dir, submission_id),
+            offset=offset,
+            follow=follow,
+            job_is_terminal=job_is_terminal,
+        )
+
+    def _supervisor_name(self, submission_id: str) -> str:
+        return f"jobs_server_supervisor:{submission_id}"
+
+    def _find_supervisor(self, submission_id: str) -> Any | None:
+        """The job's supervisor actor, or None if it does not exist (blocking)."""
+        try:
+            return ray.get_actor(self._supervisor_name(submission_id), namespace=self._namespace)
+        except ValueError:
+            return None
+
+    def _create_supervisor(self, spec: JobSpec) -> Any:
+        job = SupervisedJob(
+            submission_id=spec.submission_id,
+            entrypoint=spec.entrypoint,
+            log_path=job_log_path(self._log_dir, spec.submission_id),
+            runtime_env=spec.runtime_env,
+            metadata=spec.metadata,
+            kv_namespace=self._namespace,
+            stop_grace_s=self._stop_grace_s,
+        )
+        options: dict[str, Any] = {
+            "name": self._supervisor_name(spec.submission_id),
+            "namespace": self._namespace,
+            "lifetime": "detached",
+            "max_restarts": 0,
+            # With no resources requested the supervisor needs no CPU, as in Ray's server.
+            "num_cpus": spec.entrypoint_num_cpus or 0,
+            "runtime_env": spec.runtime_env or None,
+        }
+        if spec.entrypoint_num_gpus:
+            options["num_gpus"] = spec.entrypoint_num_gpus
+        if spec.entrypoint_memory:
+            options["memory"] = spec.entrypoint_memory
+        if spec.entrypoint_resources:
+            options["resources"] = spec.entrypoint_resources
+        if spec.entrypoint_label_selector:
+            options["label_selector"] = spec.entrypoint_label_selector
+        return ray.remote(JobSupervisor).options(**options).remote(job)
+
+    def _watch(self, submission_id: str, supervisor: Any) -> None:
+        task = asyncio.create_task(self._watch_supervisor(submission_id, supervisor))
+        self._watchers[submission_id] = task
+        task.add_done_callback(lambda _: self._watchers.pop(submission_id, None))
+
+    async def _watch_supervisor(self, submission_id: str, supervisor: Any) -> None:
+        """Wait for the job to end; record the failures its supervisor cannot report."""
+        error_type: JobErrorType | None = None
+        message = ""
+        try:
+            await supervisor.run.remote()
+        except RuntimeEnvSetupError as error:
+            error_type = JobErrorType.RUNTIME_ENV_SETUP_FAILURE
+            message = f"Runtime env setup failed: {error}"
+        except ActorUnschedulableError as error:
+            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE
+            message = f"The job cannot be scheduled: {error}"
+        except ActorDiedError as error:
+            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
+            message = f"The job's supervisor died: {_first_line(error)}"
+        except Exception as error:
+            logger.exception("watching job %s failed", submission_id)
+            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE
+            message = f"The job's supervisor failed: {_first_line(error)}"
+        if error_type is not None:
+            logger.warning("job %s failed: %s", submission_id, message)
+            with contextlib.suppress(JobNotFoundError):
+                await self._store.update(
+                    submission_id, status=JobStatus.FAILED, error_type=error_type, message=message
+                )
+        # The job has ended; its supervisor has nothing left to do.
+        ray.kill(supervisor, no_restart=True)
+
+
+def _validate_runtime_env(runtime_env: dict[str, Any]) -> None:
+    try:
+        RuntimeEnv(**runtime_env)
+    except Exception as error:  # Ray raises ValueError, TypeError or its own errors
+        raise InvalidRuntimeEnvError(f"Invalid runtime_env: {error}") from error
+
+
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _first_line(error: BaseException) -> str:
+    """Ray's actor errors carry colour codes and tracebacks; a status message wants one line."""
+    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,67 @@
+"""Joining a Ray cluster, or starting the embedded local instance."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from jobs_server.manager.kv import GcsKv
+
+logger = logging.getLogger(__name__)
+
+# Ray keeps the cluster's session name here.
+_SESSION_KV_NAMESPACE = "session"
+_SESSION_NAME_KEY = "session_name"
+
+
+@dataclass(frozen=True)
+class RayConnection:
+    gcs_address: str
+    connected_here: bool
+    """False if the process was already connected (tests, an embedding program): not ours to end."""
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """What `GET /api/version` reports about the cluster."""
+
+    ray_version: str
+    ray_commit: str
+    session_name: str | None
+
+
+def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnection:
+    """Join `address`, else the cluster on this machine, else start a local one (blocking)."""
+    if ray.is_initialized():
+        return RayConnection(ray.get_runtime_context().gcs_address, connected_here=False)
+    init_options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    if address:
+        logger.info("joining the Ray cluster at %s", address)
+        ray.init(address=address, **init_options)
+    else:
+        try:
+            ray.init(address="auto", **init_options)
+            logger.info("joined the Ray cluster running on this machine")
+        except ConnectionError:
+            logger.info("no Ray cluster found; starting a local one on %s", embedded_node_ip)
+            # No dashboard: it would serve a second, unauthenticated jobs API beside ours.
+            ray.init(include_dashboard=False, _node_ip_address=embedded_node_ip, **init_options)
+    return RayConnection(ray.get_runtime_context().gcs_address, connected_here=True)
+
+
+def disconnect_from_ray(connection: RayConnection) -> None:
+    """Leave the cluster (and stop the embedded one) if this process connected to it."""
+    if connection.connected_here:
+        ray.shutdown()
+
+
+async def read_cluster_info(gcs_address: str) -> ClusterInfo:
+    session_name = await GcsKv(gcs_address, _SESSION_KV_NAMESPACE).get(_SESSION_NAME_KEY)
+    return ClusterInfo(
+        ray_version=ray.__version__,
+        ray_commit=ray.__commit__,
+        session_name=session_name.decode() if session_name is not None else None,
+    )

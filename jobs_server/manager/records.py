@@ -1,0 +1,83 @@
+"""Job records as stored in the GCS KV store: immutable, one model per record."""
+
+from __future__ import annotations
+
+import time
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class JobStatus(StrEnum):
+    """Ray's job statuses; Ray's SDK rejects any other value."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+
+    def is_terminal(self) -> bool:
+        """A terminal status is final: nothing may change it afterwards."""
+        return self in _TERMINAL_STATUSES
+
+
+_TERMINAL_STATUSES = frozenset({JobStatus.STOPPED, JobStatus.SUCCEEDED, JobStatus.FAILED})
+
+
+class JobErrorType(StrEnum):
+    """Why a job failed; the values are Ray's, so its clients can match on them."""
+
+    RUNTIME_ENV_SETUP_FAILURE = "RUNTIME_ENV_SETUP_FAILURE"
+    JOB_SUPERVISOR_ACTOR_START_FAILURE = "JOB_SUPERVISOR_ACTOR_START_FAILURE"
+    JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE = "JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE"
+    JOB_SUPERVISOR_ACTOR_DIED = "JOB_SUPERVISOR_ACTOR_DIED"
+    JOB_ENTRYPOINT_COMMAND_START_ERROR = "JOB_ENTRYPOINT_COMMAND_START_ERROR"
+    JOB_ENTRYPOINT_COMMAND_ERROR = "JOB_ENTRYPOINT_COMMAND_ERROR"
+
+
+def now_ms() -> int:
+    """Wall-clock time in unix milliseconds, the unit of Ray's start_time and end_time."""
+    return int(time.time() * 1000)
+
+
+class JobSpec(BaseModel):
+    """What a client asked for: validated once at the boundary, then never changed."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    entrypoint: str
+    submission_id: str
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict)
+    entrypoint_num_cpus: float | None = None
+    entrypoint_num_gpus: float | None = None
+    entrypoint_memory: int | None = None
+    entrypoint_resources: dict[str, float] = Field(default_factory=dict)
+    entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
+
+
+class JobRecord(BaseModel):
+    """A job's spec and its current state; a new record replaces the old on every change."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    spec: JobSpec
+    status: JobStatus = JobStatus.PENDING
+    message: str | None = None
+    error_type: str | None = None
+    start_time: int | None = None
+    end_time: int | None = None
+    driver_exit_code: int | None = None
+    driver_pid: int | None = None
+    driver_node_id: str | None = None
+    driver_node_ip: str | None = None
+
+    @property
+    def submission_id(self) -> str:
+        return self.spec.submission_id
+
+    def with_changes(self, **changes: Any) -> JobRecord:
+        """Return a copy with `changes` applied and validated."""
+        return JobRecord.model_validate({**self.model_dump(), **changes})

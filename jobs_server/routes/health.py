@@ -1,0 +1,33 @@
+"""Probes and version: `/api/healthz` and Ray's `/api/version`."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jobs_server.api_models import HealthResponse, VersionResponse
+from jobs_server.keys import CLUSTER_INFO_KEY
+from jobs_server.request_body import json_response
+
+# Ray's Jobs API version; its clients check it.
+JOBS_API_VERSION = "4"
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/api/healthz", name="healthz")
+async def healthz(request: web.Request) -> web.Response:
+    """200 once the server is connected to Ray and serving."""
+    return json_response(HealthResponse())
+
+
+@routes.get("/api/version", name="version")
+async def version(request: web.Request) -> web.Response:
+    cluster = request.app[CLUSTER_INFO_KEY]
+    return json_response(
+        VersionResponse(
+            version=JOBS_API_VERSION,
+            ray_version=cluster.ray_version,
+            ray_commit=cluster.ray_commit,
+            session_name=cluster.session_name,
+        )
+    )

@@ -1,0 +1,33 @@
+"""`working_dir` and `py_modules` uploads, the way Ray's `JobSubmissionClient` does them."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jobs_server.api_models import PackageResponse
+from jobs_server.errors import PayloadTooLargeError
+from jobs_server.keys import PACKAGE_STORE_KEY, SETTINGS_KEY
+from jobs_server.manager import package_uri
+from jobs_server.request_body import json_response
+
+routes = web.RouteTableDef()
+
+
+@routes.get("/api/packages/{protocol}/{package_name}", name="get_package")
+async def get_package(request: web.Request) -> web.Response:
+    """200 if the package was uploaded (Ray's client then skips the upload), else 404."""
+    uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
+    await request.app[PACKAGE_STORE_KEY].ensure_exists(uri)
+    return json_response(PackageResponse(uri=uri))
+
+
+@routes.put("/api/packages/{protocol}/{package_name}", name="upload_package")
+async def upload_package(request: web.Request) -> web.Response:
+    uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
+    max_bytes = request.app[SETTINGS_KEY].max_package_bytes
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise PayloadTooLargeError(
+            f"The package is {request.content_length} bytes; the limit is {max_bytes}."
+        )
+    await request.app[PACKAGE_STORE_KEY].upload(uri, await request.read())
+    return json_response(PackageResponse(uri=uri))
