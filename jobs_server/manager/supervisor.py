@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,10 @@ class JobSupervisor:
 
     def _driver_env(self, gcs_address: str) -> dict[str, str]:
         env = dict(os.environ)  # already holds the runtime env's env_vars
+        # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's
+        # virtualenv, if it has one), not whatever comes first on the node's PATH.
+        python_bin_dir = os.path.dirname(sys.executable)
+        env["PATH"] = os.pathsep.join([python_bin_dir, env.get("PATH", os.defpath)])
         env.update(
             {
                 "RAY_ADDRESS": gcs_address,

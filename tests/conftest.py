@@ -1,0 +1,208 @@
+"""Fixtures: one real Ray cluster per test session (on loopback), apps and server processes on it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import requests
+from aiohttp.test_utils import TestClient
+
+from jobs_server.app import create_app
+from jobs_server.settings import Settings
+
+# Test clusters are not about Ray's own token authentication.
+os.environ["RAY_AUTH_MODE"] = "disabled"
+# Ray's clients prefer RAY_ADDRESS over the address they are given; tests name addresses.
+for _name in list(os.environ):
+    if _name == "RAY_ADDRESS" or _name.startswith("JOBS_SERVER_"):
+        del os.environ[_name]
+
+RAY_NODE_IP = "127.0.0.2"
+TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
+RAY_BIN = Path(sys.executable).parent / "ray"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_process_group(process: subprocess.Popen[Any], timeout_s: float = 20) -> None:
+    """SIGTERM the process's group (it was started in its own session), then SIGKILL."""
+    if process.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Ray head node of its own, in its own process group; yields its GCS address."""
+    port = free_port(RAY_NODE_IP)
+    log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("wb")
+    process = subprocess.Popen(
+        [
+            str(RAY_BIN),
+            "start",
+            "--head",
+            "--block",
+            f"--node-ip-address={RAY_NODE_IP}",
+            f"--port={port}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--num-cpus=4",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"{RAY_NODE_IP}:{port}"
+    try:
+        wait_until(lambda: _gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
+        yield address
+    finally:
+        stop_process_group(process)
+        log.close()
+
+
+def _gcs_is_up(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+@pytest.fixture(scope="session")
+def ray_connection(ray_cluster: str) -> Iterator[str]:
+    """This test process, connected to the session's cluster as a Ray driver."""
+    ray.init(address=ray_cluster, logging_level="WARNING", log_to_driver=False)
+    try:
+        yield ray_cluster
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, ray_connection: str) -> Settings:
+    """Settings for one test's server: its own namespace, so no two tests see each other's jobs."""
+    return Settings(
+        port=0,
+        ray_address=ray_connection,
+        log_dir=tmp_path / "logs",
+        namespace=f"test_{uuid.uuid4().hex[:12]}",
+        stop_grace_s=2.0,
+    )
+
+
+@pytest.fixture
+async def client(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], settings: Settings
+) -> TestClient[Any, Any]:
+    """The app on a loopback port, wired to real Ray."""
+    return await aiohttp_client(create_app(settings))
+
+
+async def wait_for_status(
+    client: TestClient[Any, Any],
+    job_id: str,
+    statuses: set[str] = TERMINAL_STATUSES,
+    timeout_s: float = 60,
+) -> dict[str, Any]:
+    """Poll the job until its status is one of `statuses`; return its details."""
+    deadline = time.monotonic() + timeout_s
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        response = await client.get(f"/api/jobs/{job_id}")
+        assert response.status == 200, await response.text()
+        job = await response.json()
+        if job["status"] in statuses:
+            return job
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {job_id} still {job.get('status')} after {timeout_s}s: {job}")
+
+
+async def submit(client: TestClient[Any, Any], **body: Any) -> str:
+    response = await client.post("/api/jobs/", json=body)
+    assert response.status == 200, await response.text()
+    submitted = await response.json()
+    assert submitted["job_id"] == submitted["submission_id"]
+    return str(submitted["submission_id"])
+
+
+async def job_logs(client: TestClient[Any, Any], job_id: str) -> str:
+    response = await client.get(f"/api/jobs/{job_id}/logs")
+    assert response.status == 200, await response.text()
+    return str((await response.json())["logs"])
+
+
+@pytest.fixture(scope="session")
+def server_url(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A `jobs-server serve` process on a loopback port, for Ray's synchronous clients."""
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("server")
+    log = (workdir / "server.log").open("wb")
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs_server",
+            "serve",
+            "--port",
+            str(port),
+            "--ray-address",
+            ray_cluster,
+            "--log-dir",
+            str(workdir / "logs"),
+            "--namespace",
+            f"test_server_{uuid.uuid4().hex[:8]}",
+            "--stop-grace-s",
+            "2",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _healthy(url) or process.poll() is not None, 60, "jobs-server")
+        assert process.poll() is None, (workdir / "server.log").read_text()
+        yield url
+    finally:
+        stop_process_group(process)
+        log.close()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
