@@ -205,4 +205,3 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
     except requests.ConnectionError:
         return False
-

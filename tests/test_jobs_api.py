@@ -398,7 +398,9 @@ async def test_invalid_utf8_output_never_breaks_the_logs(client: Client) -> None
 
 async def test_large_log_is_returned_whole(client: Client) -> None:
     # 5 MB over many chunks: the JSON body is assembled from streamed pieces.
-    job_id = await submit(client, entrypoint="yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 5000000")
+    job_id = await submit(
+        client, entrypoint="yes 0123456789abcdefghijklmnopqrstuvwxyz | head -c 5000000"
+    )
     job = await wait_for_status(client, job_id)
     assert job["status"] == "SUCCEEDED"
     logs = await job_logs(client, job_id)

@@ -1,0 +1,230 @@
+"""openapi.yaml is the contract: valid, the router's routes exactly, the models' schemas, and what
+the server really answers."""
+
+from __future__ import annotations
+
+import base64
+import inspect
+import io
+import secrets
+import uuid
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import WSMsgType
+from aiohttp.test_utils import TestClient
+from openapi_spec_validator import validate
+from pydantic import BaseModel
+
+from jobs_server import api_models
+from jobs_server.app import create_app
+from jobs_server.settings import Settings
+from tests.conftest import wait_for_status
+from tests.openapi_contract import (
+    NO_ROUTE_OPERATION,
+    Contract,
+    load_spec,
+    schema_shape,
+    shape_differences,
+)
+
+# Body limits small enough that the 413s cost nothing to provoke.
+BODY_LIMIT_BYTES = 4096
+# Document schemas that are parts of models rather than models of their own.
+SHARED_SCHEMAS = {"SubmissionId", "JobStatus"}
+# Documented answers the exchange cannot provoke cheaply, with why.
+NOT_PROVOKED = {"500": "needs a broken cluster or a bug"}
+WEBSOCKET_HANDSHAKE = {
+    "Connection": "Upgrade",
+    "Upgrade": "websocket",
+    "Sec-WebSocket-Version": "13",
+    "Sec-WebSocket-Key": base64.b64encode(secrets.token_bytes(16)).decode(),
+}
+
+
+@pytest.fixture
+def contract() -> Contract:
+    return Contract.load()
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(
+        update={"max_request_bytes": BODY_LIMIT_BYTES, "max_package_bytes": BODY_LIMIT_BYTES}
+    )
+
+
+def test_document_is_valid_openapi() -> None:
+    validate(load_spec())
+
+
+def test_document_lists_exactly_the_routes(tmp_path: Path, contract: Contract) -> None:
+    app = create_app(Settings(port=0, log_dir=tmp_path / "logs"))
+    routed = set()
+    for route in app.router.routes():
+        if route.method == "HEAD":  # aiohttp adds one to every GET
+            continue
+        assert route.name, f"{route.method} {route.resource} has no route name"
+        assert route.resource is not None
+        routed.add((route.method, route.resource.canonical, route.name))
+    documented = {(op.method, op.path, op.operation_id) for op in contract.operations.values()}
+    assert routed - documented == set(), "routes that openapi.yaml does not document"
+    assert documented - routed == set(), "operations in openapi.yaml that no route serves"
+
+
+def _api_models() -> dict[str, type[BaseModel]]:
+    return {
+        name: value
+        for name, value in vars(api_models).items()
+        if inspect.isclass(value)
+        and issubclass(value, BaseModel)
+        and value.__module__ == api_models.__name__
+    }
+
+
+def test_document_schemas_are_the_models(contract: Contract) -> None:
+    schemas = contract.spec["components"]["schemas"]
+    models = _api_models()
+    assert set(schemas) - set(models) == SHARED_SCHEMAS
+    assert set(models) - set(schemas) == set(), "models that openapi.yaml does not describe"
+    for name, model in models.items():
+        is_request = name.endswith("Request")
+        generated = model.model_json_schema(mode="validation" if is_request else "serialization")
+        expected = schema_shape(generated, generated, all_required=not is_request)
+        documented = schema_shape(schemas[name], contract.spec)
+        differences = shape_differences(documented, expected)
+        assert differences == [], f"components/schemas/{name} is not the model {name}"
+
+
+class Exchange:
+    """Sends requests and checks every answer against the document."""
+
+    def __init__(self, client: TestClient[Any, Any], contract: Contract) -> None:
+        self.client = client
+        self.contract = contract
+
+    async def call(self, method: str, path: str, *, expect: int, **request: Any) -> Any:
+        """Send the request; check the answer against the document and `expect`; its JSON."""
+        async with self.client.request(method, path, **request) as response:
+            # A 101 switched to the websocket protocol: there is no HTTP body to read.
+            body = None if response.status == 101 else await response.read()
+            data = self.contract.check_response(
+                method, path, response.status, response.headers, body
+            )
+        assert response.status == expect, f"{method} {path}: {response.status}: {body!r}"
+        return data
+
+
+def _tiny_zip() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("hello.py", "print('hello')\n")
+    return buffer.getvalue()
+
+
+async def test_responses_match_the_document(
+    client: TestClient[Any, Any], contract: Contract
+) -> None:
+    api = Exchange(client, contract)
+
+    assert await api.call("GET", "/api/healthz", expect=200) == {"status": "ok"}
+    assert (await api.call("GET", "/api/version", expect=200))["version"] == "4"
+
+    # Submissions the server refuses.
+    json_header = {"Content-Type": "application/json"}
+    await api.call("POST", "/api/jobs/", data=b"{not json", headers=json_header, expect=400)
+    invalid = {"entrypoint": "", "bogus": 1}
+    assert contract.request_errors("submit_job", invalid), "the document accepts an invalid body"
+    refused = await api.call("POST", "/api/jobs/", json=invalid, expect=400)
+    assert refused["error"]["code"] == "invalid_request"
+    assert "entrypoint" in refused["error"]["message"]
+    await api.call("POST", "/api/jobs/", data={"entrypoint": "true"}, expect=415)
+    too_large = {"entrypoint": "x" * BODY_LIMIT_BYTES}
+    await api.call("POST", "/api/jobs/", json=too_large, expect=413)
+
+    # One job that finishes, one that runs until it is stopped.
+    finishing = {"entrypoint": "echo contract-hello", "metadata": {"test": "contract"}}
+    running = {"entrypoint": "sleep 30", "submission_id": f"contract-{uuid.uuid4().hex[:8]}"}
+    for body in (finishing, running):
+        assert contract.request_errors("submit_job", body) == []
+    finished_id = (await api.call("POST", "/api/jobs/", json=finishing, expect=200))["job_id"]
+    running_id = (await api.call("POST", "/api/jobs/", json=running, expect=200))["job_id"]
+    duplicate = await api.call("POST", "/api/jobs/", json=running, expect=409)
+    assert duplicate["error"]["code"] == "duplicate_submission_id"
+
+    await wait_for_status(client, running_id, {"RUNNING"})
+    assert (await api.call("GET", f"/api/jobs/{running_id}", expect=200))["status"] == "RUNNING"
+    not_terminal = await api.call("DELETE", f"/api/jobs/{running_id}", expect=409)
+    assert not_terminal["error"]["code"] == "job_not_terminal"
+    stop_running = f"/api/jobs/{running_id}/stop"
+    await api.call("POST", stop_running, params={"grace_period_s": "soon"}, expect=400)
+    await api.call("POST", stop_running, data=b"[", headers=json_header, expect=400)
+    await api.call("POST", stop_running, data="grace_period_s=1", expect=415)
+    await api.call(
+        "POST", stop_running, json={"grace_period_s": "9" * BODY_LIMIT_BYTES}, expect=413
+    )
+    stop_body = {"grace_period_s": 1}
+    assert contract.request_errors("stop_job", stop_body) == []
+    stopped = await api.call("POST", stop_running, json=stop_body, expect=200)
+    assert stopped == {"stopped": True}
+    assert (await wait_for_status(client, running_id))["status"] == "STOPPED"
+
+    assert (await wait_for_status(client, finished_id))["status"] == "SUCCEEDED"
+    finished = await api.call("GET", f"/api/jobs/{finished_id}", expect=200)
+    assert finished["driver_exit_code"] == 0
+    listed = await api.call("GET", "/api/jobs/", expect=200)
+    assert {job["submission_id"] for job in listed} == {finished_id, running_id}
+    logs = await api.call("GET", f"/api/jobs/{finished_id}/logs", expect=200)
+    assert "contract-hello" in logs["logs"]
+    finished_stop = await api.call("POST", f"/api/jobs/{finished_id}/stop", expect=200)
+    assert finished_stop == {"stopped": False}
+
+    tail = f"/api/jobs/{finished_id}/logs/tail"
+    await api.call("GET", tail, headers=WEBSOCKET_HANDSHAKE, expect=101)
+    await api.call("GET", tail, expect=400)
+    async with client.ws_connect(tail) as websocket:
+        frames = [message async for message in websocket]
+    assert all(frame.type is WSMsgType.TEXT for frame in frames), frames
+    assert "contract-hello" in "".join(frame.data for frame in frames)
+    assert websocket.close_code == 1000
+
+    for job_id in (finished_id, running_id):
+        assert await api.call("DELETE", f"/api/jobs/{job_id}", expect=200) == {"deleted": True}
+    gone = f"/api/jobs/{finished_id}"
+    await api.call("GET", gone, expect=404)
+    await api.call("GET", f"{gone}/logs", expect=404)
+    await api.call("GET", f"{gone}/logs/tail", headers=WEBSOCKET_HANDSHAKE, expect=404)
+    await api.call("POST", f"{gone}/stop", expect=404)
+    not_found = await api.call("DELETE", gone, expect=404)
+    assert not_found["error"]["code"] == "job_not_found"
+
+    # Packages, the way Ray's client uploads a working_dir.
+    package_name = f"_ray_pkg_{secrets.token_hex(8)}.zip"
+    package = f"/api/packages/gcs/{package_name}"
+    assert (await api.call("GET", package, expect=404))["error"]["code"] == "package_not_found"
+    uploaded = await api.call("PUT", package, data=_tiny_zip(), expect=200)
+    assert uploaded == {"uri": f"gcs://{package_name}"}
+    assert await api.call("GET", package, expect=200) == uploaded
+    await api.call("GET", "/api/packages/gcs/not-a-package.txt", expect=400)
+    await api.call("GET", "/api/packages/s3/_ray_pkg_0123456789abcdef.zip", expect=400)
+    other_package = f"/api/packages/gcs/_ray_pkg_{secrets.token_hex(8)}.zip"
+    await api.call("PUT", "/api/packages/gcs/not-a-package.txt", data=b"x", expect=400)
+    await api.call("PUT", other_package, data=b"", expect=400)
+    await api.call("PUT", other_package, data=b"\0" * (BODY_LIMIT_BYTES + 1), expect=413)
+    await api.call("GET", other_package, expect=404)
+
+    # Requests no route serves.
+    assert (await api.call("GET", "/api/job", expect=404))["error"]["code"] == "not_found"
+    for template in contract.spec["paths"]:
+        path = template.format(job_id="any", protocol="gcs", package_name="any.zip")
+        await api.call("PATCH", path, expect=405)
+
+    unprovoked = {
+        (operation, status)
+        for operation, status in contract.documented_statuses() - contract.exercised
+        if status not in NOT_PROVOKED
+    }
+    assert unprovoked == set(), "documented answers this test never produced"
+    assert (NO_ROUTE_OPERATION, "404") in contract.exercised
