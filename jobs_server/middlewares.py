@@ -47,7 +47,13 @@ def error_response(status: int, code: str, message: str) -> web.Response:
     return web.Response(text=body.model_dump_json(), status=status, content_type="application/json")
 
 
+# aiohttp's own rejections get the codes our errors use for the same status.
+_CODE_BY_HTTP_STATUS = {413: PayloadTooLargeError.code}
+
+
 def _code_for_http_status(status: int) -> str:
+    if status in _CODE_BY_HTTP_STATUS:
+        return _CODE_BY_HTTP_STATUS[status]
     return HTTPStatus(status).phrase.lower().replace(" ", "_").replace("-", "_")
 
 

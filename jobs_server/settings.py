@@ -23,7 +23,7 @@ class Settings(BaseSettings):
         validation_alias=AliasChoices("ray_address", "JOBS_SERVER_RAY_ADDRESS", "RAY_ADDRESS"),
         description=(
             "Ray cluster to join (also read from RAY_ADDRESS). Unset: the cluster running on this"
-            " machine, or else a new local Ray instance."
+            " machine, or else a new local Ray instance; 'local': always a new local instance."
         ),
     )
     log_dir: Path = Field(DEFAULT_LOG_DIR, description="Directory that holds the jobs' log files.")

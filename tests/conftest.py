@@ -1,4 +1,4 @@
-"""Fixtures: one real Ray cluster per test session (on loopback), apps and server processes on it."""
+"""Fixtures: one real Ray cluster per test session, on loopback; apps and servers on it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 

@@ -57,7 +57,7 @@ async def test_echo_job_succeeds_with_exact_output(client: Client) -> None:
     assert job["status"] == "SUCCEEDED"
     assert job["driver_exit_code"] == 0
     assert job["message"] == "Job finished successfully."
-    assert JOB_DETAILS_FIELDS <= job.keys()
+    assert job.keys() >= JOB_DETAILS_FIELDS
     assert job["type"] == "SUBMISSION"
     assert job["entrypoint"] == "echo hello"
     assert job["start_time"] <= job["end_time"]
@@ -170,7 +170,7 @@ async def test_list_returns_every_job(client: Client) -> None:
     assert response.status == 200
     listed = await response.json()
     assert {job["submission_id"] for job in listed} == ids
-    assert all(JOB_DETAILS_FIELDS <= job.keys() for job in listed)
+    assert all(job.keys() >= JOB_DETAILS_FIELDS for job in listed)
 
 
 async def test_stop_running_job_kills_it(client: Client) -> None:
@@ -190,7 +190,9 @@ async def test_stop_running_job_kills_it(client: Client) -> None:
 async def test_stop_is_graceful_then_forceful(client: Client) -> None:
     graceful = await submit(
         client,
-        entrypoint="trap 'echo cleaning up; exit 0' TERM; echo ready; while true; do sleep 0.1; done",
+        entrypoint=(
+            "trap 'echo cleaning up; exit 0' TERM; echo ready; while true; do sleep 0.1; done"
+        ),
     )
     stubborn = await submit(
         client, entrypoint="trap '' TERM; echo ready; while true; do sleep 0.1; done"

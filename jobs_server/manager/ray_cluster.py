@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 # Ray keeps the cluster's session name here.
 _SESSION_KV_NAMESPACE = "session"
+# As in `ray.init(address="local")`: always start a new local instance.
+EMBEDDED_RAY_ADDRESS = "local"
 _SESSION_NAME_KEY = "session_name"
 
 
@@ -38,7 +40,9 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
     if ray.is_initialized():
         return RayConnection(ray.get_runtime_context().gcs_address, connected_here=False)
     init_options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address:
+    if address == EMBEDDED_RAY_ADDRESS:
+        _start_embedded_ray(embedded_node_ip, init_options)
+    elif address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, **init_options)
     else:
@@ -46,10 +50,19 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
             ray.init(address="auto", **init_options)
             logger.info("joined the Ray cluster running on this machine")
         except ConnectionError:
-            logger.info("no Ray cluster found; starting a local one on %s", embedded_node_ip)
-            # No dashboard: it would serve a second, unauthenticated jobs API beside ours.
-            ray.init(include_dashboard=False, _node_ip_address=embedded_node_ip, **init_options)
+            _start_embedded_ray(embedded_node_ip, init_options)
     return RayConnection(ray.get_runtime_context().gcs_address, connected_here=True)
+
+
+def _start_embedded_ray(node_ip: str, init_options: dict[str, Any]) -> None:
+    logger.info("starting a local Ray instance on %s", node_ip)
+    # No dashboard: it would serve a second, unauthenticated jobs API beside ours.
+    ray.init(
+        address=EMBEDDED_RAY_ADDRESS,
+        include_dashboard=False,
+        _node_ip_address=node_ip,
+        **init_options,
+    )
 
 
 def disconnect_from_ray(connection: RayConnection) -> None:

@@ -1,0 +1,30 @@
+# jobs-server against the Ray cluster that RAY_ADDRESS names (its GCS address, host:6379).
+# The image's Ray version (pinned in pyproject.toml) must match the cluster's.
+FROM python:3.11-slim
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    JOBS_SERVER_HOST=0.0.0.0 \
+    JOBS_SERVER_PORT=8266 \
+    JOBS_SERVER_LOG_DIR=/var/lib/jobs-server/logs
+
+RUN groupadd --system --gid 10001 jobs \
+    && useradd --system --uid 10001 --gid jobs --home-dir /home/jobs --create-home jobs \
+    && mkdir -p /var/lib/jobs-server/logs \
+    && chown -R jobs:jobs /var/lib/jobs-server
+
+WORKDIR /opt/jobs-server
+COPY pyproject.toml README.md ./
+COPY jobs_server ./jobs_server
+RUN pip install --no-cache-dir .
+
+USER jobs
+EXPOSE 8266
+VOLUME ["/var/lib/jobs-server/logs"]
+
+HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
+    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('JOBS_SERVER_PORT', '8266') + '/api/healthz', timeout=2)"]
+
+ENTRYPOINT ["jobs-server"]
+CMD ["serve"]

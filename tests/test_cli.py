@@ -1,0 +1,147 @@
+"""`jobs-server serve`: options, environment variables, and the embedded local Ray default."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+
+from jobs_server.cli import build_parser, load_settings
+from jobs_server.settings import Settings
+from tests.conftest import free_port, stop_process_group, wait_until
+
+JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
+
+
+def test_help_documents_every_option_and_its_variable() -> None:
+    result = subprocess.run(
+        [JOBS_SERVER, "serve", "--help"], capture_output=True, text=True, check=True
+    )
+    for name in Settings.model_fields:
+        assert f"--{name.replace('_', '-')}" in result.stdout
+        assert f"JOBS_SERVER_{name.upper()}" in result.stdout
+    for required in ("--host", "--port", "--ray-address", "--log-dir", "--stop-grace-s"):
+        assert required in result.stdout
+
+
+def test_python_dash_m_runs_the_same_cli() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "jobs_server", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "--stop-grace-s" in result.stdout
+
+
+def test_environment_supplies_settings_and_flags_override(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("JOBS_SERVER_PORT", "9999")
+    monkeypatch.setenv("JOBS_SERVER_LOG_DIR", str(tmp_path))
+    monkeypatch.setenv("JOBS_SERVER_STOP_GRACE_S", "1.5")
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.9:6379")
+    from_env = load_settings({})
+    assert (from_env.port, from_env.log_dir, from_env.stop_grace_s) == (9999, tmp_path, 1.5)
+    assert from_env.ray_address == "127.0.0.9:6379"
+    args = vars(build_parser().parse_args(["serve", "--port", "1234", "--ray-address", "x:1"]))
+    args.pop("command")
+    from_flags = load_settings(args)
+    assert (from_flags.port, from_flags.ray_address) == (1234, "x:1")
+
+
+@pytest.mark.parametrize(
+    "flags", [["--port", "not-a-port"], ["--port", "70000"], ["--stop-grace-s", "-1"]]
+)
+def test_invalid_option_exits_non_zero_saying_why(flags: list[str]) -> None:
+    result = subprocess.run(
+        [JOBS_SERVER, "serve", *flags], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode != 0
+    assert flags[0].lstrip("-").replace("-", "_") in result.stderr
+
+
+def test_serve_starts_an_embedded_ray_on_loopback_without_dashboard(tmp_path: Path) -> None:
+    """`--ray-address local` (what an unset address falls back to when no cluster runs here)."""
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        "JOBS_SERVER_PORT": str(port),
+        "JOBS_SERVER_LOG_DIR": str(tmp_path / "logs"),
+        "JOBS_SERVER_NAMESPACE": "embedded_test",
+    }
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [JOBS_SERVER, "serve", "--ray-address", "local"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url) or process.poll() is not None, 120, "embedded server")
+        assert process.poll() is None, log_path.read_text()
+        job = requests.post(f"{url}/api/jobs/", json={"entrypoint": "echo embedded"}, timeout=10)
+        assert job.status_code == 200, job.text
+        job_id = job.json()["submission_id"]
+        wait_until(
+            lambda: (
+                requests.get(f"{url}/api/jobs/{job_id}", timeout=10).json()["status"] == "SUCCEEDED"
+            ),
+            60,
+            "the job on the embedded cluster",
+        )
+        logs = requests.get(f"{url}/api/jobs/{job_id}/logs", timeout=10).json()["logs"]
+        assert logs == "embedded\n"
+        details = requests.get(f"{url}/api/jobs/{job_id}", timeout=10).json()
+        assert details["driver_info"]["node_ip_address"].startswith("127.0.0.")
+        # Ray's own dashboard (and its unauthenticated jobs API) is not running.
+        assert not _up("http://127.0.0.2:8265")
+        assert not _up("http://127.0.0.1:8265")
+    finally:
+        stop_process_group(process, timeout_s=60)
+    assert "starting a local Ray instance on 127.0.0.2" in log_path.read_text()
+
+
+def _up(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def _up(url: str) -> bool:
+    try:
+        return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
+    except requests.ConnectionError:
+        return False
+
+
+def test_serve_without_an_address_joins_the_cluster_on_this_machine(
+    ray_cluster: str, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [JOBS_SERVER, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(
+            lambda: _up(f"http://127.0.0.1:{port}") or process.poll() is not None, 60, "server"
+        )
+        assert process.poll() is None, log_path.read_text()
+    finally:
+        stop_process_group(process, timeout_s=60)
+    assert "joined the Ray cluster running on this machine" in log_path.read_text()
