@@ -114,34 +114,3 @@ def _up(url: str) -> bool:
         return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
     except requests.ConnectionError:
         return False
-
-
-def _up(url: str) -> bool:
-    try:
-        return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
-    except requests.ConnectionError:
-        return False
-
-
-def test_serve_without_an_address_joins_the_cluster_on_this_machine(
-    ray_cluster: str, tmp_path: Path
-) -> None:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [JOBS_SERVER, "serve", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    try:
-        wait_until(
-            lambda: _up(f"http://127.0.0.1:{port}") or process.poll() is not None, 60, "server"
-        )
-        assert process.poll() is None, log_path.read_text()
-    finally:
-        stop_process_group(process, timeout_s=60)
-    assert "joined the Ray cluster running on this machine" in log_path.read_text()
