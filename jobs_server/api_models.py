@@ -42,6 +42,9 @@ class SubmitJobRequest(BaseModel):
     entrypoint_memory: Annotated[int, Field(ge=0)] | None = None
     entrypoint_resources: dict[str, NonNegativeNumber] | None = None
     entrypoint_label_selector: dict[str, str] | None = None
+    timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+        None, description="Extension: stop the job and fail it when it runs longer than this."
+    )
 
     def to_spec(self, default_submission_id: str) -> JobSpec:
         return JobSpec(
@@ -54,6 +57,7 @@ class SubmitJobRequest(BaseModel):
             entrypoint_memory=self.entrypoint_memory,
             entrypoint_resources=self.entrypoint_resources or {},
             entrypoint_label_selector=self.entrypoint_label_selector or {},
+            timeout_s=self.timeout_s,
         )
 
 
@@ -119,6 +123,7 @@ class JobDetails(BaseModel):
     entrypoint_num_gpus: float | None
     entrypoint_memory: int | None
     entrypoint_resources: dict[str, float] | None
+    timeout_s: float | None
 
     @classmethod
     def from_record(cls, record: JobRecord) -> JobDetails:
@@ -150,6 +155,7 @@ class JobDetails(BaseModel):
             entrypoint_num_gpus=spec.entrypoint_num_gpus,
             entrypoint_memory=spec.entrypoint_memory,
             entrypoint_resources=spec.entrypoint_resources or None,
+            timeout_s=spec.timeout_s,
         )
 
 

@@ -33,6 +33,15 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="Seconds between SIGTERM and SIGKILL when a job is stopped.",
     )
+    job_start_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "Seconds a job may stay PENDING (waiting for resources or its runtime env) before it"
+            " fails."
+        ),
+    )
     namespace: str = Field(
         "jobs_server",
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",

@@ -50,11 +50,18 @@ class JobManager:
     """Owns every job of one server: its record, its supervisor actor, and a task watching it."""
 
     def __init__(
-        self, *, gcs_address: str, namespace: str, log_dir: Path, stop_grace_s: float
+        self,
+        *,
+        gcs_address: str,
+        namespace: str,
+        log_dir: Path,
+        stop_grace_s: float,
+        job_start_timeout_s: float,
     ) -> None:
         self._namespace = namespace
         self._log_dir = log_dir
         self._stop_grace_s = stop_grace_s
+        self._job_start_timeout_s = job_start_timeout_s
         self._store = JobStore(GcsKv(gcs_address, namespace))
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
@@ -65,6 +72,13 @@ class JobManager:
             if record.status.is_terminal():
                 continue
             supervisor = await asyncio.to_thread(self._find_supervisor, record.submission_id)
+            if supervisor is None and record.status is JobStatus.PENDING:
+                # A server that died between recording the job and creating its supervisor:
+                # the job was accepted, so it runs.
+                logger.info(
+                    "job %s was never handed to a supervisor; starting it", record.submission_id
+                )
+                supervisor = self._create_supervisor(record.spec)
             if supervisor is None:
                 await self._store.update(
                     record.submission_id,
@@ -73,7 +87,7 @@ class JobManager:
                     message="The job's supervisor no longer exists; its processes are gone.",
                 )
             else:
-                self._watch(record.submission_id, supervisor)
+                self._watch(record, supervisor)
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
 
     async def close(self) -> None:
@@ -87,17 +101,21 @@ class JobManager:
     async def submit_job(self, spec: JobSpec) -> JobRecord:
         """Record the job and hand it to a new supervisor; return at once, the job PENDING."""
         _validate_runtime_env(spec.runtime_env)
+        # Either the job exists and runs, or it does not exist: a client that goes away
+        # half-way must not cancel the submission between the record and the supervisor.
+        return await asyncio.shield(self._record_and_start(spec))
+
+    async def _record_and_start(self, spec: JobSpec) -> JobRecord:
         record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
         await self._store.create(record)
         try:
             supervisor = self._create_supervisor(spec)
         except Exception as error:
-            # Either the job exists and runs, or it does not exist.
             await self._store.delete(spec.submission_id)
             if isinstance(error, ValueError | TypeError):
                 raise InvalidRuntimeEnvError(f"Invalid job options: {error}") from error
             raise
-        self._watch(spec.submission_id, supervisor)
+        self._watch(record, supervisor)
         return record
 
     async def get_job(self, submission_id: str) -> JobRecord:
@@ -174,6 +192,7 @@ class JobManager:
             metadata=spec.metadata,
             kv_namespace=self._namespace,
             stop_grace_s=self._stop_grace_s,
+            timeout_s=spec.timeout_s,
         )
         options: dict[str, Any] = {
             "name": self._supervisor_name(spec.submission_id),
@@ -194,17 +213,53 @@ class JobManager:
             options["label_selector"] = spec.entrypoint_label_selector
         return ray.remote(JobSupervisor).options(**options).remote(job)
 
-    def _watch(self, submission_id: str, supervisor: Any) -> None:
-        task = asyncio.create_task(self._watch_supervisor(submission_id, supervisor))
+    def _watch(self, record: JobRecord, supervisor: Any) -> None:
+        submission_id = record.submission_id
+        task = asyncio.create_task(self._watch_supervisor(record, supervisor))
         self._watchers[submission_id] = task
         task.add_done_callback(lambda _: self._watchers.pop(submission_id, None))
 
-    async def _watch_supervisor(self, submission_id: str, supervisor: Any) -> None:
+    async def _wait_until_started(self, record: JobRecord, supervisor: Any) -> None:
+        """Wait for the command to start, at most what is left of the start timeout."""
+        waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
+        remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
+        try:
+            await asyncio.wait_for(supervisor.wait_started.remote(), timeout=remaining_s)
+        except TimeoutError:
+            raise JobStartTimeoutError(await self._start_timeout_message(record.spec)) from None
+
+    async def _start_timeout_message(self, spec: JobSpec) -> str:
+        message = f"The job did not start within {self._job_start_timeout_s:g} s."
+        requested = spec.requested_resources()
+        if requested:
+            available = await asyncio.to_thread(ray.cluster_resources)
+            missing = {
+                name: amount
+                for name, amount in requested.items()
+                if available.get(name, 0.0) < amount
+            }
+            if missing:
+                message += f" No node has the resources it asks for: missing {missing}"
+                message += f" (requested {requested})."
+            else:
+                message += f" The resources it asks for ({requested}) stayed in use."
+        if spec.runtime_env:
+            message += " Its runtime env may still have been setting up."
+        return message
+
+    async def _watch_supervisor(self, record: JobRecord, supervisor: Any) -> None:
         """Wait for the job to end; record the failures its supervisor cannot report."""
+        submission_id = record.submission_id
         error_type: JobErrorType | None = None
         message = ""
         try:
-            await supervisor.run.remote()
+            finished = supervisor.run.remote()
+            if record.status is JobStatus.PENDING:
+                await self._wait_until_started(record, supervisor)
+            await finished
+        except JobStartTimeoutError as error:
+            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT
+            message = str(error)
         except RuntimeEnvSetupError as error:
             error_type = JobErrorType.RUNTIME_ENV_SETUP_FAILURE
             message = f"Runtime env setup failed: {error}"
@@ -226,6 +281,10 @@ class JobManager:
                 )
         # The job has ended; its supervisor has nothing left to do.
         ray.kill(supervisor, no_restart=True)
+
+
+class JobStartTimeoutError(Exception):
+    """The job's supervisor did not start its command within the start timeout."""
 
 
 def _validate_runtime_env(runtime_env: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ class JobErrorType(StrEnum):
     """Why a job failed; the values are Ray's, so its clients can match on them."""
 
     RUNTIME_ENV_SETUP_FAILURE = "RUNTIME_ENV_SETUP_FAILURE"
+    JOB_SUPERVISOR_ACTOR_START_TIMEOUT = "JOB_SUPERVISOR_ACTOR_START_TIMEOUT"
     JOB_SUPERVISOR_ACTOR_START_FAILURE = "JOB_SUPERVISOR_ACTOR_START_FAILURE"
     JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE = "JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE"
     JOB_SUPERVISOR_ACTOR_DIED = "JOB_SUPERVISOR_ACTOR_DIED"
@@ -56,6 +57,19 @@ class JobSpec(BaseModel):
     entrypoint_memory: int | None = None
     entrypoint_resources: dict[str, float] = Field(default_factory=dict)
     entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
+    timeout_s: float | None = None
+
+    def requested_resources(self) -> dict[str, float]:
+        """The resources the job's supervisor asks Ray for, by Ray's resource names."""
+        requested = dict(self.entrypoint_resources)
+        for name, amount in (
+            ("CPU", self.entrypoint_num_cpus),
+            ("GPU", self.entrypoint_num_gpus),
+            ("memory", self.entrypoint_memory),
+        ):
+            if amount:
+                requested[name] = float(amount)
+        return requested
 
 
 class JobRecord(BaseModel):
