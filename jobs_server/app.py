@@ -58,6 +58,7 @@ def _ray_and_manager(
             log_dir=settings.log_dir,
             stop_grace_s=settings.stop_grace_s,
             job_start_timeout_s=settings.job_start_timeout_s,
+            shared_supervisors=settings.shared_supervisors,
         )
         app[JOB_MANAGER_KEY] = manager
         app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)

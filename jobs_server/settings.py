@@ -42,6 +42,15 @@ class Settings(BaseSettings):
             " fails."
         ),
     )
+    shared_supervisors: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description=(
+            "Warm supervisor actors shared by the jobs that need no runtime env or resources of"
+            " their own (0: every job gets its own supervisor)."
+        ),
+    )
     namespace: str = Field(
         "jobs_server",
         pattern=r"^[A-Za-z0-9_.-]{1,64}$",

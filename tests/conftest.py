@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,23 +111,35 @@ def ray_connection(ray_cluster: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, ray_connection: str) -> Settings:
+def settings(tmp_path: Path, ray_connection: str) -> Iterator[Settings]:
     """Settings for one test's server: its own namespace, so no two tests see each other's jobs."""
-    return Settings(
+    settings = Settings(
         port=0,
         ray_address=ray_connection,
         log_dir=tmp_path / "logs",
         namespace=f"test_{uuid.uuid4().hex[:12]}",
         stop_grace_s=2.0,
     )
+    yield settings
+    kill_actors_in_namespace(settings.namespace)
 
 
 @pytest.fixture
 async def client(
     aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], settings: Settings
-) -> TestClient[Any, Any]:
+) -> AsyncIterator[TestClient[Any, Any]]:
     """The app on a loopback port, wired to real Ray."""
     return await aiohttp_client(create_app(settings))
+
+
+def kill_actors_in_namespace(namespace: str) -> None:
+    """Supervisors are detached and outlive their server; a test's die with the test."""
+    if not ray.is_initialized():
+        return
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == namespace:
+            with contextlib.suppress(ValueError):
+                ray.kill(ray.get_actor(actor["name"], namespace=namespace))
 
 
 async def wait_for_status(
@@ -164,9 +176,10 @@ async def job_logs(client: TestClient[Any, Any], job_id: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def server_url(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A `jobs-server serve` process on a loopback port, for Ray's synchronous clients."""
     port = free_port()
+    namespace = f"test_server_{uuid.uuid4().hex[:8]}"
     workdir = tmp_path_factory.mktemp("server")
     log = (workdir / "server.log").open("wb")
     process = subprocess.Popen(
@@ -178,11 +191,11 @@ def server_url(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> It
             "--port",
             str(port),
             "--ray-address",
-            ray_cluster,
+            ray_connection,
             "--log-dir",
             str(workdir / "logs"),
             "--namespace",
-            f"test_server_{uuid.uuid4().hex[:8]}",
+            namespace,
             "--stop-grace-s",
             "2",
         ],
@@ -198,6 +211,7 @@ def server_url(ray_cluster: str, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         stop_process_group(process)
         log.close()
+        kill_actors_in_namespace(namespace)
 
 
 def _healthy(url: str) -> bool:

@@ -25,6 +25,7 @@ from jobs_server.settings import Settings
 from tests.conftest import (
     free_port,
     job_logs,
+    kill_actors_in_namespace,
     stop_process_group,
     submit,
     wait_for_status,
@@ -293,16 +294,19 @@ async def test_server_restart_loses_nothing(ray_connection: str, tmp_path: Path)
                 "loses-supervisor": "sleep 60",
             }
             for job_id, entrypoint in jobs.items():
-                async with session.post(
-                    f"{url}/api/jobs/", json={"entrypoint": entrypoint, "submission_id": job_id}
-                ) as response:
+                body = {"entrypoint": entrypoint, "submission_id": job_id}
+                if job_id == "loses-supervisor":
+                    body["entrypoint_num_cpus"] = 0.1  # a supervisor of its own, to lose
+                async with session.post(f"{url}/api/jobs/", json=body) as response:
                     assert response.status == 200
             for job_id in jobs:
                 await wait_http_status(session, url, job_id, {"RUNNING", "SUCCEEDED"})
+            await wait_http_status(session, url, "loses-supervisor", {"RUNNING"})
+            doomed = await http_status(session, url, "loses-supervisor")
             os.killpg(first.pid, signal.SIGKILL)
             first.wait()
-            # While no server runs: one job finishes, one loses its supervisor.
-            ray.kill(ray.get_actor("jobs_server_supervisor:loses-supervisor", namespace=namespace))
+            # While no server runs: one job finishes, one loses its supervisor (it crashes).
+            os.kill(psutil.Process(int(doomed["driver_info"]["pid"])).ppid(), signal.SIGKILL)
             await asyncio.sleep(1.5)
 
             second = start_server_process(env, log_path)
@@ -331,3 +335,4 @@ async def test_server_restart_loses_nothing(ray_connection: str, tmp_path: Path)
             stop_process_group(first)
             if second is not None:
                 stop_process_group(second)
+            kill_actors_in_namespace(namespace)

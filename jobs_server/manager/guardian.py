@@ -18,6 +18,11 @@ SUPERVISOR_TOKEN_ENV_VAR = "JOBS_SERVER_SUPERVISOR_TOKEN"
 GUARDIAN_SOURCE = r"""
 import os, signal, sys, time
 
+# Detach from the supervisor: Ray kills a dying worker's child processes, and the guardian must
+# outlive the supervisor to do its work.
+if os.fork() > 0:
+    os._exit(0)
+os.setsid()
 marker = sys.argv[1].encode()
 sys.stdin.buffer.read()  # returns when the supervisor's end of the pipe closes
 me = os.getpid()
@@ -41,8 +46,12 @@ for _ in range(100):
 
 
 def start_guardian(supervisor_token: str) -> subprocess.Popen[bytes]:
-    """Start the guardian for the processes marked with `supervisor_token`."""
-    return subprocess.Popen(
+    """Start the guardian for the processes marked with `supervisor_token`.
+
+    Call it before the supervisor becomes a subreaper, or the detached guardian comes back to
+    it as a child. Keep the returned object: its open stdin is what the guardian watches.
+    """
+    launcher = subprocess.Popen(
         [sys.executable, "-c", GUARDIAN_SOURCE, f"{SUPERVISOR_TOKEN_ENV_VAR}={supervisor_token}"],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -50,3 +59,5 @@ def start_guardian(supervisor_token: str) -> subprocess.Popen[bytes]:
         # Its own session: stopping a job's processes never reaches it.
         start_new_session=True,
     )
+    launcher.wait()  # the launcher exits at once, leaving the forked guardian behind
+    return launcher

@@ -18,16 +18,13 @@ from ray.exceptions import ActorDiedError, ActorUnschedulableError, RuntimeEnvSe
 from ray.runtime_env import RuntimeEnv
 
 import jobs_server
-from jobs_server.errors import (
-    InvalidRuntimeEnvError,
-    JobNotFoundError,
-    JobNotTerminalError,
-)
+from jobs_server.errors import InvalidRuntimeEnvError, JobNotFoundError, JobNotTerminalError
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.logs import LogChunk, job_log_path, read_log_chunks
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
-from jobs_server.manager.supervisor import JobSupervisor, SupervisedJob
+from jobs_server.manager.supervisor import SupervisedJob
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ def new_submission_id() -> str:
 
 
 class JobManager:
-    """Owns every job of one server: its record, its supervisor actor, and a task watching it."""
+    """Owns every job of one server: its record, its supervisor, and a task watching it."""
 
     def __init__(
         self,
@@ -57,38 +54,49 @@ class JobManager:
         log_dir: Path,
         stop_grace_s: float,
         job_start_timeout_s: float,
+        shared_supervisors: int = 1,
     ) -> None:
-        self._namespace = namespace
         self._log_dir = log_dir
         self._stop_grace_s = stop_grace_s
         self._job_start_timeout_s = job_start_timeout_s
         self._store = JobStore(GcsKv(gcs_address, namespace))
+        self._supervisors = Supervisors(
+            namespace=namespace, kv_namespace=namespace, shared_count=shared_supervisors
+        )
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
-        """Pick up the jobs a previous server left running: watch them, or fail the orphans."""
+        """Warm the shared supervisors, and pick up the jobs a previous server left."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
+        await self._supervisors.start()
         for record in await self._store.list():
-            if record.status.is_terminal():
-                continue
-            supervisor = await asyncio.to_thread(self._find_supervisor, record.submission_id)
-            if supervisor is None and record.status is JobStatus.PENDING:
-                # A server that died between recording the job and creating its supervisor:
-                # the job was accepted, so it runs.
-                logger.info(
-                    "job %s was never handed to a supervisor; starting it", record.submission_id
-                )
-                supervisor = self._create_supervisor(record.spec)
-            if supervisor is None:
-                await self._store.update(
-                    record.submission_id,
-                    status=JobStatus.FAILED,
-                    error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
-                    message="The job's supervisor no longer exists; its processes are gone.",
-                )
-            else:
-                self._watch(record, supervisor)
+            if not record.status.is_terminal():
+                await self._adopt(record)
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
+
+    async def _adopt(self, record: JobRecord) -> None:
+        name = record.supervisor_name or self._supervisors.name_for(record.spec)
+        supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if supervisor is None and record.status is JobStatus.PENDING:
+            # The server died between recording the job and handing it over: it was accepted,
+            # so it runs.
+            logger.info(
+                "job %s was never handed to a supervisor; starting it", record.submission_id
+            )
+            supervisor = self._supervisors.create(name, record.spec)
+        if supervisor is None:
+            await self._store.update(
+                record.submission_id,
+                status=JobStatus.FAILED,
+                error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                message="The job's supervisor no longer exists; its processes are gone.",
+            )
+            return
+        if record.status is JobStatus.PENDING:
+            finished = supervisor.run_job.remote(self._supervised_job(record.spec))
+        else:
+            finished = supervisor.wait_job.remote(record.submission_id)
+        self._watch(record, supervisor, finished)
 
     async def close(self) -> None:
         """Stop watching; the jobs themselves run on in their detached supervisors."""
@@ -99,23 +107,27 @@ class JobManager:
         self._watchers.clear()
 
     async def submit_job(self, spec: JobSpec) -> JobRecord:
-        """Record the job and hand it to a new supervisor; return at once, the job PENDING."""
+        """Record the job and hand it to a supervisor; return at once, the job PENDING."""
         _validate_runtime_env(spec.runtime_env)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
-        return await asyncio.shield(self._record_and_start(spec))
+        return await asyncio.shield(self._record_and_hand_over(spec))
 
-    async def _record_and_start(self, spec: JobSpec) -> JobRecord:
-        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
+    async def _record_and_hand_over(self, spec: JobSpec) -> JobRecord:
+        name = self._supervisors.name_for(spec)
+        record = JobRecord(
+            spec=spec, start_time=now_ms(), message="Job is pending.", supervisor_name=name
+        )
         await self._store.create(record)
         try:
-            supervisor = self._create_supervisor(spec)
+            supervisor = self._supervisors.create(name, spec)
+            finished = supervisor.run_job.remote(self._supervised_job(spec))
         except Exception as error:
             await self._store.delete(spec.submission_id)
             if isinstance(error, ValueError | TypeError):
                 raise InvalidRuntimeEnvError(f"Invalid job options: {error}") from error
             raise
-        self._watch(record, supervisor)
+        self._watch(record, supervisor, finished)
         return record
 
     async def get_job(self, submission_id: str) -> JobRecord:
@@ -129,18 +141,20 @@ class JobManager:
         record = await self._store.get(submission_id)
         if record.status.is_terminal():
             return False
-        supervisor = await asyncio.to_thread(self._find_supervisor, submission_id)
-        if record.status is JobStatus.PENDING or supervisor is None:
-            # The command has not started: stop it from ever starting.
-            await self._store.update(
-                submission_id,
-                status=JobStatus.STOPPED,
-                message="Job was stopped before it started.",
-            )
-            if supervisor is not None:
-                ray.kill(supervisor, no_restart=True)
+        name = record.supervisor_name or self._supervisors.name_for(record.spec)
+        supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if record.status is JobStatus.RUNNING and supervisor is not None:
+            await supervisor.stop_job.remote(submission_id, grace_period_s)
             return True
-        await supervisor.stop.remote(grace_period_s)
+        # The command has not started: it never will. A supervisor that is starting it right
+        # now finds the record terminal and stops it.
+        await self._store.update(
+            submission_id, status=JobStatus.STOPPED, message="Job was stopped before it started."
+        )
+        if supervisor is not None and is_dedicated(name):
+            ray.kill(supervisor, no_restart=True)
+        elif supervisor is not None:
+            await supervisor.stop_job.remote(submission_id, 0)
         return True
 
     async def delete_job(self, submission_id: str) -> None:
@@ -173,87 +187,29 @@ class JobManager:
             job_is_terminal=job_is_terminal,
         )
 
-    def _supervisor_name(self, submission_id: str) -> str:
-        return f"jobs_server_supervisor:{submission_id}"
-
-    def _find_supervisor(self, submission_id: str) -> Any | None:
-        """The job's supervisor actor, or None if it does not exist (blocking)."""
-        try:
-            return ray.get_actor(self._supervisor_name(submission_id), namespace=self._namespace)
-        except ValueError:
-            return None
-
-    def _create_supervisor(self, spec: JobSpec) -> Any:
-        job = SupervisedJob(
+    def _supervised_job(self, spec: JobSpec) -> SupervisedJob:
+        return SupervisedJob(
             submission_id=spec.submission_id,
             entrypoint=spec.entrypoint,
             log_path=job_log_path(self._log_dir, spec.submission_id),
             runtime_env=spec.runtime_env,
             metadata=spec.metadata,
-            kv_namespace=self._namespace,
             stop_grace_s=self._stop_grace_s,
             timeout_s=spec.timeout_s,
         )
-        options: dict[str, Any] = {
-            "name": self._supervisor_name(spec.submission_id),
-            "namespace": self._namespace,
-            "lifetime": "detached",
-            "max_restarts": 0,
-            # With no resources requested the supervisor needs no CPU, as in Ray's server.
-            "num_cpus": spec.entrypoint_num_cpus or 0,
-            "runtime_env": spec.runtime_env or None,
-        }
-        if spec.entrypoint_num_gpus:
-            options["num_gpus"] = spec.entrypoint_num_gpus
-        if spec.entrypoint_memory:
-            options["memory"] = spec.entrypoint_memory
-        if spec.entrypoint_resources:
-            options["resources"] = spec.entrypoint_resources
-        if spec.entrypoint_label_selector:
-            options["label_selector"] = spec.entrypoint_label_selector
-        return ray.remote(JobSupervisor).options(**options).remote(job)
 
-    def _watch(self, record: JobRecord, supervisor: Any) -> None:
+    def _watch(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
         submission_id = record.submission_id
-        task = asyncio.create_task(self._watch_supervisor(record, supervisor))
+        task = asyncio.create_task(self._watch_supervisor(record, supervisor, finished))
         self._watchers[submission_id] = task
         task.add_done_callback(lambda _: self._watchers.pop(submission_id, None))
 
-    async def _wait_until_started(self, record: JobRecord, supervisor: Any) -> None:
-        """Wait for the command to start, at most what is left of the start timeout."""
-        waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
-        remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
-        try:
-            await asyncio.wait_for(supervisor.wait_started.remote(), timeout=remaining_s)
-        except TimeoutError:
-            raise JobStartTimeoutError(await self._start_timeout_message(record.spec)) from None
-
-    async def _start_timeout_message(self, spec: JobSpec) -> str:
-        message = f"The job did not start within {self._job_start_timeout_s:g} s."
-        requested = spec.requested_resources()
-        if requested:
-            available = await asyncio.to_thread(ray.cluster_resources)
-            missing = {
-                name: amount
-                for name, amount in requested.items()
-                if available.get(name, 0.0) < amount
-            }
-            if missing:
-                message += f" No node has the resources it asks for: missing {missing}"
-                message += f" (requested {requested})."
-            else:
-                message += f" The resources it asks for ({requested}) stayed in use."
-        if spec.runtime_env:
-            message += " Its runtime env may still have been setting up."
-        return message
-
-    async def _watch_supervisor(self, record: JobRecord, supervisor: Any) -> None:
+    async def _watch_supervisor(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
         """Wait for the job to end; record the failures its supervisor cannot report."""
         submission_id = record.submission_id
         error_type: JobErrorType | None = None
         message = ""
         try:
-            finished = supervisor.run.remote()
             if record.status is JobStatus.PENDING:
                 await self._wait_until_started(record, supervisor)
             await finished
@@ -279,8 +235,46 @@ class JobManager:
                 await self._store.update(
                     submission_id, status=JobStatus.FAILED, error_type=error_type, message=message
                 )
-        # The job has ended; its supervisor has nothing left to do.
-        ray.kill(supervisor, no_restart=True)
+        name = record.supervisor_name or ""
+        if is_dedicated(name):
+            # The job has ended; its own supervisor has nothing left to do.
+            ray.kill(supervisor, no_restart=True)
+        elif error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_DIED:
+            self._supervisors.forget(name)
+        elif error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT:
+            with contextlib.suppress(Exception):
+                await supervisor.stop_job.remote(submission_id, 0)
+
+    async def _wait_until_started(self, record: JobRecord, supervisor: Any) -> None:
+        """Wait for the command to start, at most what is left of the start timeout."""
+        waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
+        remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
+        try:
+            await asyncio.wait_for(
+                supervisor.wait_started.remote(record.submission_id), timeout=remaining_s
+            )
+        except TimeoutError:
+            message = await self._start_timeout_message(record.spec)
+            raise JobStartTimeoutError(message) from None
+
+    async def _start_timeout_message(self, spec: JobSpec) -> str:
+        message = f"The job did not start within {self._job_start_timeout_s:g} s."
+        requested = spec.requested_resources()
+        if requested:
+            available = await asyncio.to_thread(ray.cluster_resources)
+            missing = {
+                name: amount
+                for name, amount in requested.items()
+                if available.get(name, 0.0) < amount
+            }
+            if missing:
+                message += f" No node has the resources it asks for: missing {missing}"
+                message += f" (requested {requested})."
+            else:
+                message += f" The resources it asks for ({requested}) stayed in use."
+        if spec.runtime_env:
+            message += " Its runtime env may still have been setting up."
+        return message
 
 
 class JobStartTimeoutError(Exception):

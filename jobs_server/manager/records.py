@@ -59,6 +59,15 @@ class JobSpec(BaseModel):
     entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
     timeout_s: float | None = None
 
+    def needs_own_supervisor(self) -> bool:
+        """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
+        job can run in a warm, shared supervisor (env_vars are set per process there)."""
+        return bool(
+            set(self.runtime_env) - {"env_vars"}
+            or self.requested_resources()
+            or self.entrypoint_label_selector
+        )
+
     def requested_resources(self) -> dict[str, float]:
         """The resources the job's supervisor asks Ray for, by Ray's resource names."""
         requested = dict(self.entrypoint_resources)
@@ -87,6 +96,7 @@ class JobRecord(BaseModel):
     driver_pid: int | None = None
     driver_node_id: str | None = None
     driver_node_ip: str | None = None
+    supervisor_name: str | None = None
 
     @property
     def submission_id(self) -> str:

@@ -1,8 +1,10 @@
-"""The supervisor: a detached Ray actor that runs a job's command and records its status.
+"""The supervisor: a detached Ray actor that runs jobs' commands and records their status.
 
-It writes RUNNING and the terminal status itself (it knows first); the manager writes only what a
-supervisor cannot report (it never started, it died). Its jobs share its fate: a guardian process
-kills them if the supervisor dies.
+One supervisor runs any number of jobs at once: a warm, shared one runs the jobs that need no
+runtime env or resources of their own (so they start in milliseconds), and a job that does gets a
+supervisor of its own. A supervisor writes RUNNING and the terminal status itself (it knows
+first); the manager writes only what a supervisor cannot report (it never started, it died). Its
+jobs share its fate: a guardian process kills them if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import secrets
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
 from pydantic import BaseModel, ConfigDict
 
+from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.logs import read_log_tail
@@ -54,50 +58,86 @@ class SupervisedJob(BaseModel):
     log_path: Path
     runtime_env: dict[str, Any]
     metadata: dict[str, str]
-    kv_namespace: str
     stop_grace_s: float
     timeout_s: float | None = None
 
 
-class JobSupervisor:
-    """Runs one job's entrypoint to the end; `run` may be awaited by any number of callers."""
+@dataclass
+class _JobRun:
+    """One job in this supervisor: its task and the events the manager can wait for or set."""
 
-    def __init__(self, job: SupervisedJob) -> None:
-        self._job = job
-        self._stop_requested = asyncio.Event()
-        self._started = asyncio.Event()
-        self._stop_grace_s = job.stop_grace_s
-        self._run_task: asyncio.Task[JobStatus] | None = None
+    job: SupervisedJob
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_grace_s: float = 0.0
+    task: asyncio.Task[JobStatus] | None = None
+    pid: int | None = None
+
+
+class JobSupervisor:
+    """Runs jobs to their end; every method is keyed by submission id and safe to call again."""
+
+    def __init__(self, kv_namespace: str) -> None:
+        self._kv_namespace = kv_namespace
+        self._runs: dict[str, _JobRun] = {}
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
+        self._store: JobStore | None = None
 
-    async def run(self) -> JobStatus:
-        """Start the job if it has not started, and return its terminal status when it ends."""
-        if self._run_task is None:
-            self._run_task = asyncio.create_task(self._run_job())
+    async def ping(self) -> None:
+        """Answer once the actor is up (used to warm it)."""
+
+    async def run_job(self, job: SupervisedJob) -> JobStatus:
+        """Start the job unless it has started, and return its terminal status when it ends."""
+        run = self._runs.get(job.submission_id)
+        if run is None:
+            run = _JobRun(job=job, stop_grace_s=job.stop_grace_s)
+            self._runs[job.submission_id] = run
+            run.task = asyncio.create_task(self._run(run))
+            run.task.add_done_callback(lambda _: self._runs.pop(job.submission_id, None))
+        assert run.task is not None
         # A caller that goes away (a restarting server) must not cancel the job itself.
-        return await asyncio.shield(self._run_task)
+        return await asyncio.shield(run.task)
 
-    async def wait_started(self) -> None:
-        """Return once the command has started, or the job ended without starting."""
-        await self._started.wait()
+    async def wait_job(self, submission_id: str) -> JobStatus:
+        """The terminal status of a job this supervisor runs or ran (for a restarted server)."""
+        run = self._runs.get(submission_id)
+        if run is not None and run.task is not None:
+            return await asyncio.shield(run.task)
+        return (await self._job_store().get(submission_id)).status
 
-    async def stop(self, grace_period_s: float | None = None) -> None:
-        """Ask the job to stop: SIGTERM now, SIGKILL after the grace period."""
+    async def wait_started(self, submission_id: str) -> None:
+        """Return once the job's command has started, or the job ended without starting."""
+        run = self._runs.get(submission_id)
+        if run is not None:
+            await run.started.wait()
+
+    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
+        """Ask a job to stop: SIGTERM now, SIGKILL after the grace period."""
+        run = self._runs.get(submission_id)
+        if run is None:
+            return False
         if grace_period_s is not None:
-            self._stop_grace_s = grace_period_s
-        self._stop_requested.set()
+            run.stop_grace_s = grace_period_s
+        run.stop_requested.set()
+        return True
 
-    async def _run_job(self) -> JobStatus:
+    def _job_store(self) -> JobStore:
+        if self._store is None:
+            gcs_address = ray.get_runtime_context().gcs_address
+            self._store = JobStore(GcsKv(gcs_address, self._kv_namespace))
+        return self._store
+
+    async def _run(self, run: _JobRun) -> JobStatus:
         try:
-            return await self._start_and_wait()
+            return await self._start_and_wait(run)
+        except JobNotFoundError:
+            return JobStatus.STOPPED  # deleted before it could start
         finally:
-            self._started.set()
+            run.started.set()
 
-    async def _start_and_wait(self) -> JobStatus:
-        job = self._job
-        gcs_address = ray.get_runtime_context().gcs_address
-        store = JobStore(GcsKv(gcs_address, job.kv_namespace))
+    async def _start_and_wait(self, run: _JobRun) -> JobStatus:
+        job, store = run.job, self._job_store()
         record = await store.get(job.submission_id)
         if record.status.is_terminal():
             return record.status
@@ -105,8 +145,9 @@ class JobSupervisor:
         job_token = secrets.token_hex(16)
         try:
             process = await start_entrypoint(
-                job.entrypoint, log_path=job.log_path, env=self._driver_env(gcs_address, job_token)
+                job.entrypoint, log_path=job.log_path, env=self._driver_env(job, job_token)
             )
+            run.pid = process.pid
         except OSError as error:
             failed = await store.update(
                 job.submission_id,
@@ -124,84 +165,89 @@ class JobSupervisor:
                 driver_node_id=ray.get_runtime_context().get_node_id(),
                 driver_node_ip=ray.util.get_node_ip_address(),
             )
-            self._started.set()
+            run.started.set()
             if record.status.is_terminal():
                 # Stopped while the command was starting: it must not run on.
                 await stop_job_processes(process, job_token=job_token, grace_period_s=0)
                 return record.status
-            return (await self._wait_for_end(store, process, job_token)).status
+            return (await self._wait_for_end(run, process, job_token)).status
         finally:
             # Whatever the command left behind ends with it.
             await kill_job_processes(job_token)
-            reap_orphans(keep={process.pid})
+            reap_orphans(keep=self._running_pids())
+
+    def _running_pids(self) -> set[int]:
+        """Command pids that asyncio still waits for; reaping them here would steal their status."""
+        return {run.pid for run in self._runs.values() if run.pid is not None}
 
     def _ensure_guardian(self) -> None:
         if self._guardian is None:
-            become_child_subreaper()
             self._guardian = start_guardian(self._supervisor_token)
+            become_child_subreaper()
 
     async def _wait_for_end(
-        self, store: JobStore, process: asyncio.subprocess.Process, job_token: str
+        self, run: _JobRun, process: asyncio.subprocess.Process, job_token: str
     ) -> JobRecord:
+        store, job = self._job_store(), run.job
         exited = asyncio.ensure_future(process.wait())
-        stop_requested = asyncio.ensure_future(self._stop_requested.wait())
+        stop_requested = asyncio.ensure_future(run.stop_requested.wait())
         await asyncio.wait(
-            {exited, stop_requested},
-            timeout=self._job.timeout_s,
-            return_when=asyncio.FIRST_COMPLETED,
+            {exited, stop_requested}, timeout=job.timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         stop_requested.cancel()
         if exited.done():
-            return await self._record_exit(store, exited.result())
+            return await self._record_exit(store, job, exited.result())
         exit_code = await stop_job_processes(
-            process, job_token=job_token, grace_period_s=self._stop_grace_s
+            process, job_token=job_token, grace_period_s=run.stop_grace_s
         )
-        if self._stop_requested.is_set():
+        if run.stop_requested.is_set():
             return await store.update(
-                self._job.submission_id,
+                job.submission_id,
                 status=JobStatus.STOPPED,
                 message="Job was intentionally stopped.",
                 driver_exit_code=exit_code,
             )
         return await store.update(
-            self._job.submission_id,
+            job.submission_id,
             status=JobStatus.FAILED,
             error_type=JOB_TIMEOUT_ERROR_TYPE,
-            message=f"Job exceeded its timeout of {self._job.timeout_s:g} s and was stopped.",
+            message=f"Job exceeded its timeout of {job.timeout_s:g} s and was stopped.",
             driver_exit_code=exit_code,
         )
 
-    async def _record_exit(self, store: JobStore, exit_code: int) -> JobRecord:
+    async def _record_exit(self, store: JobStore, job: SupervisedJob, exit_code: int) -> JobRecord:
         if exit_code == 0:
             return await store.update(
-                self._job.submission_id,
+                job.submission_id,
                 status=JobStatus.SUCCEEDED,
                 message="Job finished successfully.",
                 driver_exit_code=0,
             )
         return await store.update(
-            self._job.submission_id,
+            job.submission_id,
             status=JobStatus.FAILED,
             error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,
-            message=_failure_message(exit_code, read_log_tail(self._job.log_path)),
+            message=_failure_message(exit_code, read_log_tail(job.log_path)),
             driver_exit_code=exit_code,
         )
 
-    def _driver_env(self, gcs_address: str, job_token: str) -> dict[str, str]:
-        env = dict(os.environ)  # already holds the runtime env's env_vars
+    def _driver_env(self, job: SupervisedJob, job_token: str) -> dict[str, str]:
+        env = dict(os.environ)
+        # A shared supervisor runs jobs with different env_vars: each process gets its own.
+        env.update(job.runtime_env.get("env_vars") or {})
         # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's
         # virtualenv, if it has one), not whatever comes first on the node's PATH.
         python_bin_dir = os.path.dirname(sys.executable)
         env["PATH"] = os.pathsep.join([python_bin_dir, env.get("PATH", os.defpath)])
         env.update(
             {
-                "RAY_ADDRESS": gcs_address,
+                "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
                 RAY_JOB_CONFIG_ENV_VAR: json.dumps(
-                    {"runtime_env": self._job.runtime_env, "metadata": self._job.metadata}
+                    {"runtime_env": job.runtime_env, "metadata": job.metadata}
                 ),
                 # Python drivers stream their output instead of flushing it at exit.
                 "PYTHONUNBUFFERED": "1",
-                SUBMISSION_ID_ENV_VAR: self._job.submission_id,
+                SUBMISSION_ID_ENV_VAR: job.submission_id,
                 JOB_TOKEN_ENV_VAR: job_token,
                 SUPERVISOR_TOKEN_ENV_VAR: self._supervisor_token,
             }

@@ -1,0 +1,104 @@
+"""Where jobs run: warm shared supervisors, and a supervisor of its own for a job that needs one.
+
+A shared supervisor is created when the server starts and lives on between jobs, so a job that
+needs no runtime env or resources of its own starts without waiting for a Ray worker process. A
+job with a runtime env (working_dir, pip, ...) or resources gets a dedicated supervisor whose
+actor carries them, killed when the job ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any
+
+import ray
+
+from jobs_server.manager.records import JobSpec
+from jobs_server.manager.supervisor import JobSupervisor
+
+logger = logging.getLogger(__name__)
+
+_SHARED_PREFIX = "jobs_server_shared_supervisor:"
+_DEDICATED_PREFIX = "jobs_server_supervisor:"
+
+
+def is_dedicated(supervisor_name: str) -> bool:
+    return supervisor_name.startswith(_DEDICATED_PREFIX)
+
+
+class Supervisors:
+    """Creates and finds supervisor actors by name, in the server's namespace."""
+
+    def __init__(self, *, namespace: str, kv_namespace: str, shared_count: int) -> None:
+        self._namespace = namespace
+        self._kv_namespace = kv_namespace
+        self._shared_names = [f"{_SHARED_PREFIX}{index}" for index in range(shared_count)]
+        self._shared_handles: dict[str, Any] = {}
+        self._round_robin = itertools.cycle(self._shared_names)
+
+    async def start(self) -> None:
+        """Create (or find, after a restart) the shared supervisors and wait until they answer."""
+        handles = [self._shared(name) for name in self._shared_names]
+        await asyncio.gather(*(handle.ping.remote() for handle in handles))
+
+    def name_for(self, spec: JobSpec) -> str:
+        if spec.needs_own_supervisor() or not self._shared_names:
+            return f"{_DEDICATED_PREFIX}{spec.submission_id}"
+        return next(self._round_robin)
+
+    def create(self, name: str, spec: JobSpec) -> Any:
+        """The supervisor named `name` for `spec`: a new dedicated actor, or a shared one."""
+        if not is_dedicated(name):
+            return self._shared(name)
+        options: dict[str, Any] = {
+            "name": name,
+            "namespace": self._namespace,
+            "lifetime": "detached",
+            "max_restarts": 0,
+            # With no resources requested the supervisor needs no CPU, as in Ray's server.
+            "num_cpus": spec.entrypoint_num_cpus or 0,
+            "runtime_env": spec.runtime_env or None,
+        }
+        if spec.entrypoint_num_gpus:
+            options["num_gpus"] = spec.entrypoint_num_gpus
+        if spec.entrypoint_memory:
+            options["memory"] = spec.entrypoint_memory
+        if spec.entrypoint_resources:
+            options["resources"] = spec.entrypoint_resources
+        if spec.entrypoint_label_selector:
+            options["label_selector"] = spec.entrypoint_label_selector
+        return ray.remote(JobSupervisor).options(**options).remote(self._kv_namespace)
+
+    def find(self, name: str) -> Any | None:
+        """The live actor named `name`, or None (blocking: asks the GCS)."""
+        if name in self._shared_handles:
+            return self._shared_handles[name]
+        try:
+            return ray.get_actor(name, namespace=self._namespace)
+        except ValueError:
+            return None
+
+    def forget(self, name: str) -> None:
+        """A shared supervisor died: the next job sent to its name gets a new one."""
+        if self._shared_handles.pop(name, None) is not None:
+            logger.warning("shared supervisor %s died; it will be replaced", name)
+
+    def _shared(self, name: str) -> Any:
+        handle = self._shared_handles.get(name)
+        if handle is None:
+            handle = (
+                ray.remote(JobSupervisor)
+                .options(
+                    name=name,
+                    namespace=self._namespace,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    max_restarts=0,
+                    num_cpus=0,
+                )
+                .remote(self._kv_namespace)
+            )
+            self._shared_handles[name] = handle
+        return handle
