@@ -336,3 +336,28 @@ async def test_server_restart_loses_nothing(ray_connection: str, tmp_path: Path)
             if second is not None:
                 stop_process_group(second)
             kill_actors_in_namespace(namespace)
+
+
+async def test_a_shared_supervisor_death_fails_exactly_its_jobs(
+    client: Client, tmp_path: Path
+) -> None:
+    shared = [await submit(client, entrypoint="sleep 60") for _ in range(2)]
+    own = await submit(client, entrypoint="sleep 60", entrypoint_num_cpus=0.1)
+    jobs = {job_id: await wait_for_status(client, job_id, {"RUNNING"}) for job_id in [*shared, own]}
+    supervisor_pids = {
+        job_id: psutil.Process(int(job["driver_info"]["pid"])).ppid()
+        for job_id, job in jobs.items()
+    }
+    assert supervisor_pids[shared[0]] == supervisor_pids[shared[1]] != supervisor_pids[own]
+    os.kill(supervisor_pids[shared[0]], signal.SIGKILL)
+    for job_id in shared:
+        job = await wait_for_status(client, job_id)
+        assert job["status"] == "FAILED"
+        assert job["error_type"] == "JOB_SUPERVISOR_ACTOR_DIED"
+    assert (await wait_for_status(client, own, {"RUNNING"}))["status"] == "RUNNING"
+    # The next job gets a new shared supervisor.
+    after = await submit(client, entrypoint="echo fine")
+    assert (await wait_for_status(client, after))["status"] == "SUCCEEDED"
+    assert await job_logs(client, after) == "fine\n"
+    await client.post(f"/api/jobs/{own}/stop", json={"grace_period_s": 0})
+    assert (await wait_for_status(client, own))["status"] == "STOPPED"
