@@ -8,7 +8,14 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from jobs_server.keys import CLUSTER_INFO_KEY, JOB_MANAGER_KEY, PACKAGE_STORE_KEY, SETTINGS_KEY
+from jobs_server.api_models import JobDetailsJsonCache
+from jobs_server.keys import (
+    CLUSTER_INFO_KEY,
+    JOB_DETAILS_CACHE_KEY,
+    JOB_MANAGER_KEY,
+    PACKAGE_STORE_KEY,
+    SETTINGS_KEY,
+)
 from jobs_server.manager import (
     JobManager,
     PackageStore,
@@ -36,6 +43,7 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )
     app[SETTINGS_KEY] = settings
+    app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app.cleanup_ctx.append(_ray_and_manager(manager))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)

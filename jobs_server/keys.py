@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.manager import ClusterInfo, JobManager, PackageStore
 from jobs_server.settings import Settings
 
@@ -11,3 +12,4 @@ SETTINGS_KEY = web.AppKey("settings", Settings)
 JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
 PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
+JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)

@@ -73,10 +73,8 @@ async def _read_limited(request: web.Request, max_bytes: int) -> bytes:
     return bytes(body)
 
 
-def json_response(model: BaseModel | list[BaseModel], *, status: int = 200) -> web.Response:
-    """Serialize a response model (or a list of them) as JSON."""
-    if isinstance(model, list):
-        text = "[" + ",".join(item.model_dump_json() for item in model) + "]"
-    else:
-        text = model.model_dump_json()
-    return web.Response(text=text, status=status, content_type="application/json")
+def json_response(model: BaseModel, *, status: int = 200) -> web.Response:
+    """Serialize a response model as JSON."""
+    return web.Response(
+        text=model.model_dump_json(), status=status, content_type="application/json"
+    )

@@ -59,7 +59,7 @@ class JobManager:
         self._log_dir = log_dir
         self._stop_grace_s = stop_grace_s
         self._job_start_timeout_s = job_start_timeout_s
-        self._store = JobStore(GcsKv(gcs_address, namespace))
+        self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
         self._supervisors = Supervisors(
             namespace=namespace, kv_namespace=namespace, shared_count=shared_supervisors
         )

@@ -49,17 +49,20 @@ class GcsKv:
             key.encode(), False, self._namespace, timeout=KV_TIMEOUT_S
         )
 
-    async def values_with_prefix(self, prefix: str) -> list[bytes]:
-        """All values whose key starts with `prefix`, in key order."""
-        keys = await self._client.async_internal_kv_keys(
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        keys: list[bytes] = await self._client.async_internal_kv_keys(
             prefix.encode(), self._namespace, timeout=KV_TIMEOUT_S
         )
+        return [key.decode() for key in keys]
+
+    async def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        """The values of those `keys` that exist."""
         if not keys:
-            return []
-        values = await self._client.async_internal_kv_multi_get(
-            keys, self._namespace, timeout=KV_TIMEOUT_S
+            return {}
+        values: dict[bytes, bytes] = await self._client.async_internal_kv_multi_get(
+            [key.encode() for key in keys], self._namespace, timeout=KV_TIMEOUT_S
         )
-        return [values[key] for key in sorted(values)]
+        return {key.decode(): value for key, value in values.items()}
 
     def pin_uri(self, uri: str, expiration_s: int) -> None:
         """Keep a runtime_env package from being garbage-collected for `expiration_s` (blocking)."""

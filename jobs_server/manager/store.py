@@ -19,10 +19,18 @@ def _job_key(submission_id: str) -> str:
 
 
 class JobStore:
-    """Reads and writes job records; the server and every supervisor share one namespace."""
+    """Reads and writes job records; the server and every supervisor share one namespace.
 
-    def __init__(self, kv: GcsKv) -> None:
+    A terminal record never changes again, so the server keeps it in memory once read (listing
+    many finished jobs then costs neither a GCS round trip nor parsing per job). Only the store
+    that deletes records may cache them: a supervisor's cache could outlive a deleted job whose
+    id is then submitted again.
+    """
+
+    def __init__(self, kv: GcsKv, *, cache_terminal: bool = False) -> None:
         self._kv = kv
+        self._cache_terminal = cache_terminal
+        self._terminal: dict[str, JobRecord] = {}
 
     async def create(self, record: JobRecord) -> None:
         """Store a new record; raise DuplicateJobError if the submission_id is taken."""
@@ -31,20 +39,41 @@ class JobStore:
             raise DuplicateJobError(record.submission_id)
 
     async def get(self, submission_id: str) -> JobRecord:
+        if submission_id in self._terminal:
+            return self._terminal[submission_id]
         data = await self._kv.get(_job_key(submission_id))
         if data is None:
             raise JobNotFoundError(submission_id)
-        return JobRecord.model_validate_json(data)
+        return self._remember(JobRecord.model_validate_json(data))
 
     async def list(self) -> list[JobRecord]:
         """Every record, in submission_id order."""
-        return [
-            JobRecord.model_validate_json(data)
-            for data in await self._kv.values_with_prefix(_JOB_KEY_PREFIX)
-        ]
+        keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
+        ids = sorted(key.removeprefix(_JOB_KEY_PREFIX) for key in keys)
+        unknown = [_job_key(job_id) for job_id in ids if job_id not in self._terminal]
+        fetched = {
+            record.submission_id: self._remember(record)
+            for record in map(
+                JobRecord.model_validate_json, (await self._kv.get_many(unknown)).values()
+            )
+        }
+        for gone in self._terminal.keys() - set(ids):
+            del self._terminal[gone]
+        records = []
+        for job_id in ids:
+            record = self._terminal.get(job_id) or fetched.get(job_id)
+            if record is not None:  # deleted between the two reads
+                records.append(record)
+        return records
 
     async def delete(self, submission_id: str) -> None:
         await self._kv.delete(_job_key(submission_id))
+        self._terminal.pop(submission_id, None)
+
+    def _remember(self, record: JobRecord) -> JobRecord:
+        if self._cache_terminal and record.status.is_terminal():
+            self._terminal[record.submission_id] = record
+        return record
 
     async def update(self, submission_id: str, **changes: Any) -> JobRecord:
         """Apply `changes` unless the record is already terminal; return the record as stored.
@@ -64,7 +93,7 @@ class JobStore:
             changes.setdefault("end_time", now_ms())
         updated = current.with_changes(**changes)
         await self._kv.put(_job_key(submission_id), _encode(updated))
-        return updated
+        return self._remember(updated)
 
 
 def _encode(record: JobRecord) -> bytes:

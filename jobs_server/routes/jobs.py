@@ -13,7 +13,7 @@ from jobs_server.api_models import (
     SubmitJobResponse,
 )
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY, SETTINGS_KEY
+from jobs_server.keys import JOB_DETAILS_CACHE_KEY, JOB_MANAGER_KEY, SETTINGS_KEY
 from jobs_server.manager import new_submission_id
 from jobs_server.request_body import json_response, read_json_model, read_optional_json_model
 
@@ -34,7 +34,9 @@ async def submit_job(request: web.Request) -> web.Response:
 @routes.get("/api/jobs/", name="list_jobs")
 async def list_jobs(request: web.Request) -> web.Response:
     records = await request.app[JOB_MANAGER_KEY].list_jobs()
-    return json_response([JobDetails.from_record(record) for record in records])
+    cache = request.app[JOB_DETAILS_CACHE_KEY]
+    text = "[" + ",".join(cache.json_for(record) for record in records) + "]"
+    return web.Response(text=text, content_type="application/json")
 
 
 @routes.get("/api/jobs/{job_id}", name="get_job")
