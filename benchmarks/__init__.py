@@ -1,0 +1,1 @@
+"""Benchmarks: jobs-server against Ray's own job server on one cluster (`-m benchmarks.run`)."""
