@@ -86,6 +86,15 @@ class JobLogsResponse(BaseModel):
     logs: str
 
 
+class JobLogsRangeResponse(BaseModel):
+    """`GET .../logs?offset=&limit=`: a byte range as text, and where the next read starts."""
+
+    offset: int
+    logs: str
+    next_offset: int = Field(description="Byte offset after the returned text.")
+    size: int = Field(description="The log's size in bytes when the read ended.")
+
+
 class VersionResponse(BaseModel):
     version: str
     ray_version: str

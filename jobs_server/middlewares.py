@@ -48,7 +48,7 @@ def error_response(status: int, code: str, message: str) -> web.Response:
 
 
 # aiohttp's own rejections get the codes our errors use for the same status.
-_CODE_BY_HTTP_STATUS = {413: PayloadTooLargeError.code}
+_CODE_BY_HTTP_STATUS = {413: PayloadTooLargeError.code, 416: "range_not_satisfiable"}
 
 
 def _code_for_http_status(status: int) -> str:
@@ -72,7 +72,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         elif error.status == 405:
             message = f"Method {request.method} is not allowed for {request.path}."
         response = error_response(error.status, _code_for_http_status(error.status), message)
-        for header in ("Allow",):
+        for header in ("Allow", "Content-Range"):
             if header in error.headers:
                 response.headers[header] = error.headers[header]
         return response

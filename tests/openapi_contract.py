@@ -125,7 +125,8 @@ class Contract:
         return self.schema_errors(f"{pointer}/content/application~1json/schema", body)
 
     def find_path(self, path: str) -> str | None:
-        """The document's path template that `path` (no query string) falls under."""
+        """The document's path template that `path` (its query string aside) falls under."""
+        path = path.partition("?")[0]
         matches = [template for pattern, template in self._path_patterns if pattern.match(path)]
         assert len(matches) <= 1, f"{path} matches several documented paths: {matches}"
         return matches[0] if matches else None
@@ -195,6 +196,9 @@ class Contract:
         assert media_type in content, (
             f"{where} with Content-Type {media_type!r}; documented: {', '.join(content)}"
         )
+        if media_type in _TEXT_MEDIA_TYPES:
+            # A text body is a string by the document; it must at least be text.
+            return body.decode("utf-8", errors="strict")
         assert media_type == "application/json", f"cannot check a {media_type} body"
         try:
             data = json.loads(body)
@@ -210,6 +214,9 @@ class Contract:
             + f"\nBody: {_excerpt(body)}"
         )
         return data
+
+
+_TEXT_MEDIA_TYPES = frozenset({"text/plain", "text/event-stream"})
 
 
 def _excerpt(body: bytes | None) -> str:

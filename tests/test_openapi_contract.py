@@ -178,6 +178,23 @@ async def test_responses_match_the_document(
     assert {job["submission_id"] for job in listed} == {finished_id, running_id}
     logs = await api.call("GET", f"/api/jobs/{finished_id}/logs", expect=200)
     assert "contract-hello" in logs["logs"]
+    job_logs = f"/api/jobs/{finished_id}/logs"
+    page = await api.call("GET", f"{job_logs}?offset=0&limit=8", expect=200)
+    assert page["offset"] == 0
+    assert page["next_offset"] == len(page["logs"].encode())
+    text = await api.call("GET", f"{job_logs}?format=text", expect=200)
+    assert "contract-hello" in text
+    ranged = await api.call(
+        "GET", job_logs, headers={"Accept": "text/plain", "Range": "bytes=0-3"}, expect=206
+    )
+    assert ranged == "cont"
+    await api.call("GET", f"{job_logs}?format=text", headers={"Range": "bytes=9999-"}, expect=416)
+    await api.call("GET", f"{job_logs}?offset=-1", expect=400)
+    followed = await api.call("GET", f"{job_logs}?follow=true", expect=200)
+    assert "contract-hello" in followed
+    stream = f"/api/jobs/{finished_id}/logs/stream"
+    assert "event: end" in await api.call("GET", stream, expect=200)
+    await api.call("GET", stream, headers={"Last-Event-ID": "x"}, expect=400)
     finished_stop = await api.call("POST", f"/api/jobs/{finished_id}/stop", expect=200)
     assert finished_stop == {"stopped": False}
 
@@ -196,6 +213,7 @@ async def test_responses_match_the_document(
     await api.call("GET", gone, expect=404)
     await api.call("GET", f"{gone}/logs", expect=404)
     await api.call("GET", f"{gone}/logs/tail", headers=WEBSOCKET_HANDSHAKE, expect=404)
+    await api.call("GET", f"{gone}/logs/stream", expect=404)
     await api.call("POST", f"{gone}/stop", expect=404)
     not_found = await api.call("DELETE", gone, expect=404)
     assert not_found["error"]["code"] == "job_not_found"

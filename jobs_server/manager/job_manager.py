@@ -20,7 +20,7 @@ from ray.runtime_env import RuntimeEnv
 import jobs_server
 from jobs_server.errors import InvalidRuntimeEnvError, JobNotFoundError, JobNotTerminalError
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.logs import LogChunk, job_log_path, read_log_chunks
+from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor import SupervisedJob
@@ -69,9 +69,15 @@ class JobManager:
         """Warm the shared supervisors, and pick up the jobs a previous server left."""
         self._log_dir.mkdir(parents=True, exist_ok=True)
         await self._supervisors.start()
+        busy_supervisors = set()
         for record in await self._store.list():
             if not record.status.is_terminal():
                 await self._adopt(record)
+                busy_supervisors.add(record.supervisor_name)
+        for name in await asyncio.to_thread(self._supervisors.stale_shared_names):
+            if name not in busy_supervisors:
+                logger.info("retiring idle supervisor %s of an earlier server version", name)
+                await asyncio.to_thread(self._supervisors.kill, name)
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
 
     async def _adopt(self, record: JobRecord) -> None:
@@ -169,23 +175,41 @@ class JobManager:
         job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
 
     async def read_logs(
-        self, submission_id: str, *, offset: int = 0, follow: bool = False
+        self,
+        submission_id: str,
+        *,
+        offset: int = 0,
+        limit: int | None = None,
+        follow: bool = False,
+        idle_tick_s: float | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
-        """The job's log from `offset`; raises JobNotFoundError now, before any chunk is read."""
+        """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
+        before any chunk is read."""
         await self._store.get(submission_id)
-
-        async def job_is_terminal() -> bool:
-            try:
-                return (await self._store.get(submission_id)).status.is_terminal()
-            except JobNotFoundError:
-                return True  # deleted while being read: nothing more will be written
-
         return read_log_chunks(
             job_log_path(self._log_dir, submission_id),
             offset=offset,
+            limit=limit,
             follow=follow,
-            job_is_terminal=job_is_terminal,
+            job_is_terminal=lambda: self._job_has_ended(submission_id),
+            idle_tick_s=idle_tick_s,
         )
+
+    async def log_size(self, submission_id: str) -> int:
+        """The job's log size in bytes now."""
+        await self._store.get(submission_id)
+        return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
+
+    async def _job_has_ended(self, submission_id: str) -> bool:
+        # A watched job has ended when its watcher has: in memory, so a hundred followers cost
+        # no GCS reads. The watcher finishes only after the terminal status is written.
+        watcher = self._watchers.get(submission_id)
+        if watcher is not None:
+            return watcher.done()
+        try:
+            return (await self._store.get(submission_id)).status.is_terminal()
+        except JobNotFoundError:
+            return True  # deleted while being read: nothing more will be written
 
     def _supervised_job(self, spec: JobSpec) -> SupervisedJob:
         return SupervisedJob(

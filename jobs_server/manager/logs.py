@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 LOG_CHUNK_BYTES = 64 * 1024
-# How often a follower looks for new bytes once it has read everything; the tail's lag.
-LOG_POLL_INTERVAL_S = 0.05
+# How often a follower looks for new bytes once it has read everything: the tail's lag. A look
+# is one fstat; the file is read only when it grew.
+LOG_POLL_INTERVAL_S = 0.01
 # The last bytes of output quoted in a failed job's message.
 LOG_TAIL_FOR_MESSAGE_BYTES = 2048
 
@@ -26,7 +28,7 @@ def job_log_path(log_dir: Path, submission_id: str) -> Path:
 
 @dataclass(frozen=True)
 class LogChunk:
-    """`data` is the bytes of the log file starting at byte `offset`."""
+    """`data` is the bytes of the log file starting at byte `offset` (empty: an idle tick)."""
 
     offset: int
     data: bytes
@@ -34,6 +36,14 @@ class LogChunk:
     @property
     def end(self) -> int:
         return self.offset + len(self.data)
+
+
+def log_size(path: Path) -> int:
+    """The log's current size in bytes (0 before the job wrote anything)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _open_at(path: Path, offset: int) -> BinaryIO | None:
@@ -45,42 +55,78 @@ def _open_at(path: Path, offset: int) -> BinaryIO | None:
     return log_file
 
 
+def _has_bytes_after(log_file: BinaryIO, offset: int) -> bool:
+    return os.fstat(log_file.fileno()).st_size > offset
+
+
 async def read_log_chunks(
     path: Path,
     *,
     offset: int = 0,
+    limit: int | None = None,
     follow: bool = False,
     job_is_terminal: Callable[[], Awaitable[bool]] | None = None,
+    idle_tick_s: float | None = None,
 ) -> AsyncGenerator[LogChunk, None]:
-    """Yield the log from `offset` in chunks.
+    """Yield the log from `offset`, at most `limit` bytes, in chunks.
 
     Without `follow`, stop at the current end of the file. With it, keep reading as the file
     grows until `job_is_terminal()` says the job ended *and* everything written before that has
-    been read, so the last lines are never dropped. A missing file is an empty log (the job has
-    not started yet).
+    been read, so the last lines are never dropped. While following, an empty chunk is yielded
+    every `idle_tick_s` without new bytes, so a caller can send a heartbeat or notice that its
+    client left. A missing file is an empty log (the job has not started yet).
     """
     log_file: BinaryIO | None = None
+    remaining = limit
     job_ended = False
+    last_yield = time.monotonic()
     try:
-        while True:
+        while remaining is None or remaining > 0:
             if log_file is None:
                 log_file = await asyncio.to_thread(_open_at, path, offset)
-            data = await asyncio.to_thread(log_file.read, LOG_CHUNK_BYTES) if log_file else b""
+            data = b""
+            if log_file is not None and _has_bytes_after(log_file, offset):
+                size = LOG_CHUNK_BYTES if remaining is None else min(LOG_CHUNK_BYTES, remaining)
+                data = await asyncio.to_thread(log_file.read, size)
             if data:
                 yield LogChunk(offset, data)
                 offset += len(data)
+                last_yield = time.monotonic()
+                if remaining is not None:
+                    remaining -= len(data)
                 continue
             if not follow or job_ended:
                 return
-            # The job's status is checked only at EOF, and one more read follows a terminal
-            # status: bytes written before the job ended are always delivered.
+            # The job's status is checked only at the end of the file, and one more read
+            # follows a terminal status: bytes written before the job ended are all delivered.
             if job_is_terminal is not None and await job_is_terminal():
                 job_ended = True
                 continue
+            if idle_tick_s is not None and time.monotonic() - last_yield >= idle_tick_s:
+                yield LogChunk(offset, b"")
+                last_yield = time.monotonic()
             await asyncio.sleep(LOG_POLL_INTERVAL_S)
     finally:
         if log_file is not None:
             log_file.close()
+
+
+def complete_utf8_length(data: bytes) -> int:
+    """The length of the longest prefix of `data` that does not end inside a UTF-8 character.
+
+    Streams hold back an incomplete trailing character until its other bytes arrive, so a
+    character split across two reads is never turned into replacement characters.
+    """
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:  # ASCII: complete
+            return len(data)
+        if byte in (0xC0, 0xC1) or byte >= 0xF5:  # never valid UTF-8: nothing to wait for
+            return len(data)
+        if byte >= 0xC0:  # a lead byte: is its sequence complete?
+            needed = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return len(data) if back >= needed else len(data) - back
+    return len(data)  # only continuation bytes: invalid anyway, nothing to wait for
 
 
 def read_log_tail(path: Path, max_bytes: int = LOG_TAIL_FOR_MESSAGE_BYTES) -> str:

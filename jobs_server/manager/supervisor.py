@@ -168,17 +168,26 @@ class JobSupervisor:
             run.started.set()
             if record.status.is_terminal():
                 # Stopped while the command was starting: it must not run on.
-                await stop_job_processes(process, job_token=job_token, grace_period_s=0)
+                await stop_job_processes(
+                    process,
+                    job_token=job_token,
+                    grace_period_s=0,
+                    other_roots=self._other_roots(run),
+                )
                 return record.status
             return (await self._wait_for_end(run, process, job_token)).status
         finally:
             # Whatever the command left behind ends with it.
-            await kill_job_processes(job_token)
+            await kill_job_processes(job_token, other_roots=self._other_roots(run))
             reap_orphans(keep=self._running_pids())
 
     def _running_pids(self) -> set[int]:
         """Command pids that asyncio still waits for; reaping them here would steal their status."""
         return {run.pid for run in self._runs.values() if run.pid is not None}
+
+    def _other_roots(self, run: _JobRun) -> frozenset[int]:
+        """The commands of this supervisor's other jobs: not orphans of `run`'s."""
+        return frozenset(self._running_pids() - {run.pid} if run.pid is not None else ())
 
     def _ensure_guardian(self) -> None:
         if self._guardian is None:
@@ -198,7 +207,10 @@ class JobSupervisor:
         if exited.done():
             return await self._record_exit(store, job, exited.result())
         exit_code = await stop_job_processes(
-            process, job_token=job_token, grace_period_s=run.stop_grace_s
+            process,
+            job_token=job_token,
+            grace_period_s=run.stop_grace_s,
+            other_roots=self._other_roots(run),
         )
         if run.stop_requested.is_set():
             return await store.update(

@@ -9,8 +9,10 @@ actor carries them, killed when the job ends.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -20,8 +22,20 @@ from jobs_server.manager.supervisor import JobSupervisor
 
 logger = logging.getLogger(__name__)
 
-_SHARED_PREFIX = "jobs_server_shared_supervisor:"
 _DEDICATED_PREFIX = "jobs_server_supervisor:"
+_SHARED_PREFIX = "jobs_server_shared_supervisor:"
+
+
+def _code_fingerprint() -> str:
+    """A digest of the manager's code: a server never hands jobs to a warm supervisor that an
+    older version of it created (the actor's code was fixed when it was created)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+_SHARED_NAME_PREFIX = f"{_SHARED_PREFIX}{_code_fingerprint()}:"
 
 
 def is_dedicated(supervisor_name: str) -> bool:
@@ -34,7 +48,7 @@ class Supervisors:
     def __init__(self, *, namespace: str, kv_namespace: str, shared_count: int) -> None:
         self._namespace = namespace
         self._kv_namespace = kv_namespace
-        self._shared_names = [f"{_SHARED_PREFIX}{index}" for index in range(shared_count)]
+        self._shared_names = [f"{_SHARED_NAME_PREFIX}{index}" for index in range(shared_count)]
         self._shared_handles: dict[str, Any] = {}
         self._round_robin = itertools.cycle(self._shared_names)
 
@@ -79,6 +93,22 @@ class Supervisors:
             return ray.get_actor(name, namespace=self._namespace)
         except ValueError:
             return None
+
+    def stale_shared_names(self) -> list[str]:
+        """Shared supervisors that another version of the server created (blocking)."""
+        return [
+            actor["name"]
+            for actor in ray.util.list_named_actors(all_namespaces=True)
+            if actor["namespace"] == self._namespace
+            and actor["name"].startswith(_SHARED_PREFIX)
+            and actor["name"] not in self._shared_names
+        ]
+
+    def kill(self, name: str) -> None:
+        """Kill the supervisor named `name`, if it is still there (blocking)."""
+        supervisor = self.find(name)
+        if supervisor is not None:
+            ray.kill(supervisor, no_restart=True)
 
     def forget(self, name: str) -> None:
         """A shared supervisor died: the next job sent to its name gets a new one."""
