@@ -49,6 +49,15 @@ class JobsApi:
         self._session = session
         self._base_url = base_url.rstrip("/")
 
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The shared session, for requests this class does not wrap (log streams)."""
+        return self._session
+
+    def url(self, path: str) -> str:
+        """The absolute URL of `path` on this server."""
+        return self._base_url + path
+
     async def _request(self, method: str, path: str, json_body: object = None) -> Any:
         async with self._session.request(method, self._base_url + path, json=json_body) as response:
             text = await response.text()
@@ -70,6 +79,14 @@ class JobsApi:
         body = await self._request("GET", f"/api/jobs/{submission_id}")
         return str(body["status"])
 
+    async def list_jobs_body(self) -> bytes:
+        """GET /api/jobs/, read to its last byte but not parsed."""
+        async with self._session.get(self._base_url + "/api/jobs/") as response:
+            body = await response.read()
+            if response.status >= 400:
+                raise ApiError(f"GET /api/jobs/ -> {response.status}: {body[:ERROR_BODY_CHARS]!r}")
+            return body
+
     async def list_jobs(self) -> list[dict[str, Any]]:
         """Every job the server lists (Ray's also lists driver jobs)."""
         body = await self._request("GET", "/api/jobs/")
@@ -86,6 +103,10 @@ class JobsApi:
     async def stop(self, submission_id: str) -> None:
         """Ask the server to stop the job (with the server's default grace period)."""
         await self._request("POST", f"/api/jobs/{submission_id}/stop")
+
+    async def delete(self, submission_id: str) -> None:
+        """Delete a terminal job (and, on our server, its log)."""
+        await self._request("DELETE", f"/api/jobs/{submission_id}")
 
 
 def new_session(max_connections: int = 256) -> aiohttp.ClientSession:

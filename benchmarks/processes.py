@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 logger = logging.getLogger(__name__)
 
 RAY_NODE_IP = "127.0.0.2"
@@ -32,6 +34,10 @@ SERVER_READY_TIMEOUT_S = 90.0
 READY_POLL_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 30.0
 LOG_TAIL_BYTES = 4000
+# How Ray's log-serving processes show in /proc: the dashboard keeps its command line, the agent
+# renames itself (setproctitle) but older releases kept the script's path.
+RAY_DASHBOARD_MARKERS = ("dashboard/dashboard.py",)
+RAY_AGENT_MARKERS = ("ray::DashboardAgent", "dashboard/agent.py")
 
 
 class SetupError(Exception):
@@ -45,6 +51,43 @@ class RayHead:
     gcs_address: str
     dashboard_url: str
     temp_dir: Path
+    pid: int
+
+
+@dataclass(frozen=True)
+class OurServer:
+    """A running jobs-server: its URL and the pid of its process."""
+
+    url: str
+    pid: int
+
+
+def process_tree(process: psutil.Process) -> list[psutil.Process]:
+    """The process and its descendants (those still there)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return [process, *process.children(recursive=True)]
+    return []
+
+
+def our_log_processes(server: OurServer) -> list[psutil.Process]:
+    """The processes whose memory a log request to our server can grow: the server and its
+    children."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return process_tree(psutil.Process(server.pid))
+    return []
+
+
+def ray_log_processes(head: RayHead) -> list[psutil.Process]:
+    """The processes that serve a log request to Ray: the dashboard with its module subprocesses
+    (the job module runs in one) and the dashboard agent(s), which read the log files."""
+    found: dict[int, psutil.Process] = {}
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for process in psutil.Process(head.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                cmdline = " ".join(process.cmdline())
+                if any(m in cmdline for m in RAY_DASHBOARD_MARKERS + RAY_AGENT_MARKERS):
+                    found |= {p.pid: p for p in process_tree(process)}
+    return list(found.values())
 
 
 def free_port(host: str = HTTP_HOST) -> int:
@@ -184,15 +227,15 @@ def ray_head(work_dir: Path) -> Iterator[RayHead]:
             f"{dashboard_url}/api/version", process, log_path, RAY_READY_TIMEOUT_S, "Ray"
         )
         logger.info("Ray's dashboard answered after %.1f s at %s", took_s, dashboard_url)
-        yield RayHead(f"{RAY_NODE_IP}:{gcs_port}", dashboard_url, temp_dir)
+        yield RayHead(f"{RAY_NODE_IP}:{gcs_port}", dashboard_url, temp_dir, process.pid)
     finally:
         logger.info("stopping the Ray head node (process group %d)", process.pid)
         stop_process_group(process)
 
 
 @contextlib.contextmanager
-def jobs_server(ray_address: str, work_dir: Path) -> Iterator[str]:
-    """Our server on the cluster at `ray_address`, in a namespace of its own; yields its URL."""
+def jobs_server(ray_address: str, work_dir: Path) -> Iterator[OurServer]:
+    """Our server on the cluster at `ray_address`, in a namespace of its own."""
     port = free_port()
     log_path = work_dir / "jobs-server.log"
     args = [
@@ -217,7 +260,7 @@ def jobs_server(ray_address: str, work_dir: Path) -> Iterator[str]:
             f"{url}/api/healthz", process, log_path, SERVER_READY_TIMEOUT_S, "jobs-server"
         )
         logger.info("jobs-server answered after %.1f s at %s", took_s, url)
-        yield url
+        yield OurServer(url, process.pid)
     finally:
         logger.info("stopping jobs-server (process group %d)", process.pid)
         stop_process_group(process)

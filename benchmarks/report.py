@@ -19,6 +19,7 @@ class Unit(StrEnum):
     SECONDS = "s"
     PER_SECOND = "/s"
     BYTES = "B"
+    BYTES_PER_SECOND = "B/s"
 
 
 class Server(StrEnum):
@@ -42,6 +43,22 @@ class Target:
             return ratio > self.ratio if self.strict else ratio >= self.ratio
         return ratio < self.ratio if self.strict else ratio <= self.ratio
 
+    def verdict(self, ours: Figure, ratio: float | None, better: Better) -> bool | None:
+        """Met, not met, or None when the ratio could not be computed."""
+        return None if ratio is None else self.is_met(ratio, better)
+
+
+@dataclass(frozen=True)
+class OursAtMost:
+    """A bound on our own figure, whatever Ray's is (e.g. memory a request may take)."""
+
+    text: str
+    limit: float
+
+    def verdict(self, ours: Figure, ratio: float | None, better: Better) -> bool | None:
+        """Met, not met, or None when our figure is missing."""
+        return None if ours.value is None else ours.value <= self.limit
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -51,7 +68,7 @@ class Metric:
     label: str
     unit: Unit
     better: Better
-    target: Target | None = None
+    target: Target | OursAtMost | None = None
     ray_key: str | None = None
 
 
@@ -93,6 +110,8 @@ def format_value(figure: Figure, unit: Unit) -> str:
         return _format_seconds(value)
     if unit is Unit.BYTES:
         return f"{value / 2**20:.1f} MiB"
+    if unit is Unit.BYTES_PER_SECOND:
+        return _format_mib_per_s(value)
     if value < 10:
         return f"{value:.2f}/s"
     return f"{value:.1f}/s" if value < 100 else f"{value:.0f}/s"
@@ -106,6 +125,13 @@ def _format_seconds(value_s: float) -> str:
     if value_s >= 0.01:
         return f"{value_s * 1000:.1f} ms"
     return f"{value_s * 1000:.2f} ms"
+
+
+def _format_mib_per_s(bytes_per_s: float) -> str:
+    mib_per_s = bytes_per_s / 2**20
+    if mib_per_s >= 100:
+        return f"{mib_per_s:.0f} MiB/s"
+    return f"{mib_per_s:.1f} MiB/s" if mib_per_s >= 1 else f"{mib_per_s:.3f} MiB/s"
 
 
 def ratio_of(ours: Figure, ray: Figure) -> float | None:
@@ -123,11 +149,10 @@ def table_row(metric: Metric, results: Results) -> str:
     ratio_cell = "—" if ratio is None else f"{ratio:.3g} ({metric.better} is better)"
     if metric.target is None:
         target_cell = "— (for information)"
-    elif ratio is None:
-        target_cell = f"{metric.target.text}: **not measured**"
     else:
-        verdict = "met" if metric.target.is_met(ratio, metric.better) else "not met"
-        target_cell = f"{metric.target.text}: **{verdict}**"
+        verdict = metric.target.verdict(ours, ratio, metric.better)
+        word = {None: "not measured", True: "met", False: "not met"}[verdict]
+        target_cell = f"{metric.target.text}: **{word}**"
     cells = [
         metric.label,
         format_value(ray, metric.unit),

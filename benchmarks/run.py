@@ -1,6 +1,6 @@
 """Benchmark jobs-server against Ray's own job server, side by side on one Ray cluster.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--list-jobs N] [--keep-logs]
+    .venv/bin/python -m benchmarks.run [--quick] [--only {jobs,logs}] [--list-jobs N] [--keep-logs]
 
 Starts a Ray head node with its dashboard (which serves Ray's jobs API) and jobs-server on the same
 cluster, drives both through the same HTTP client, prints a markdown table (progress goes to
@@ -22,13 +22,23 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 
+import psutil
+
 from benchmarks.client import JobsApi, is_terminal, new_session, watch_statuses
-from benchmarks.processes import RAY_NUM_CPUS, jobs_server, kill_survivors, ray_head
+from benchmarks.log_scenarios import BigLog, LogTailLatency, TimeToFirstLine
+from benchmarks.processes import (
+    RAY_NUM_CPUS,
+    jobs_server,
+    kill_survivors,
+    our_log_processes,
+    ray_head,
+    ray_log_processes,
+)
 from benchmarks.report import Figure, Metric, Results, Server, format_value, markdown_table
 from benchmarks.scenarios import (
     REQUEST_ERRORS,
@@ -50,6 +60,7 @@ WARM_UP_POLL_INTERVAL_S = 0.1
 LISTED_JOBS = 300
 POST_WORKERS = 16
 DEFAULT_LIST_AT_SCALE = 10_000
+SCENARIO_GROUPS = ("jobs", "logs")
 
 METHOD_NOTES = [
     f"Both servers run on the same Ray head node ({RAY_NUM_CPUS} CPUs) and are driven by the "
@@ -62,6 +73,22 @@ METHOD_NOTES = [
     "Memory per running job: (sum of PSS over every process on the machine but the benchmark's, "
     "with all jobs RUNNING) minus (the same sum just before submitting), divided by the jobs "
     "RUNNING; anything else running on the machine adds noise.",
+    "Log tail latency: the job prints `tick <n> <time.time()>` every 50 ms (flushed); the client "
+    "follows GET /api/jobs/{id}/logs/tail (websocket, connected right after the POST) and takes "
+    "the wall-clock time a frame arrives minus the time printed in each line it completes.",
+    "Submit → first log line: from sending the POST of `echo first; sleep 2` to the websocket "
+    "frame that completes `first` (the tail is opened as soon as the POST answers; a 404 is "
+    "retried every 10 ms). One job at a time.",
+    "Large log: the job writes exactly N bytes of base64 text and ends; then each reader reads "
+    "the whole log once. The JSON GET's log must be whole lines of the server's own (Ray writes "
+    "two before the job's output) followed by exactly the job's N bytes, and every other reader "
+    "must return as many bytes; otherwise the row says error. Throughput is the log's bytes over "
+    "the time from sending the request to the end of the body (for the websocket, to the "
+    "server's close; Ray's tail waits for its 1 s poll to see the job ended). Peak RSS growth "
+    "during the JSON GET: summed RSS of the server's processes sampled every 20 ms in a thread, "
+    "from just before the request to the end of the body, peak minus first sample; ours is the "
+    "jobs-server process and its children, Ray's is the dashboard process with its module "
+    "subprocesses (the job module among them) plus the dashboard agent, which reads the file.",
 ]
 
 
@@ -74,6 +101,9 @@ class Sizes:
     sleeper_jobs: int
     concurrent_posts: int
     list_at_scale: int
+    tail_lines: int
+    first_line_jobs: int
+    big_log_bytes: int
 
     def describe(self) -> str:
         """The sizes in words, for the report."""
@@ -81,7 +111,9 @@ class Sizes:
         return (
             f"{self.sequential_jobs} sequential jobs, a burst of {self.burst_jobs}, "
             f"{self.sleeper_jobs} concurrent sleepers, {LISTED_JOBS} jobs listed, "
-            f"{self.concurrent_posts} concurrent POSTs, large list: {at_scale}"
+            f"{self.concurrent_posts} concurrent POSTs, large list: {at_scale}; "
+            f"{self.tail_lines} tailed log lines, {self.first_line_jobs} first-line jobs, "
+            f"a {self.big_log_bytes / 2**20:.0f} MiB log"
         )
 
 
@@ -89,7 +121,14 @@ def sizes_for(quick: bool, list_jobs: int) -> Sizes:
     """The full run's sizes, or the quick run's (which skips the large list)."""
     if quick:
         return Sizes(
-            sequential_jobs=5, burst_jobs=20, sleeper_jobs=10, concurrent_posts=48, list_at_scale=0
+            sequential_jobs=5,
+            burst_jobs=20,
+            sleeper_jobs=10,
+            concurrent_posts=48,
+            list_at_scale=0,
+            tail_lines=20,
+            first_line_jobs=3,
+            big_log_bytes=20 * 2**20,
         )
     return Sizes(
         sequential_jobs=20,
@@ -97,21 +136,28 @@ def sizes_for(quick: bool, list_jobs: int) -> Sizes:
         sleeper_jobs=50,
         concurrent_posts=160,
         list_at_scale=list_jobs,
+        tail_lines=60,
+        first_line_jobs=5,
+        big_log_bytes=100 * 2**20,
     )
 
 
-def build_scenarios(sizes: Sizes) -> list[Scenario]:
-    """The scenarios in the order they run (the large list last: it leaves a backlog behind)."""
+def build_scenarios(sizes: Sizes, only: str | None = None) -> list[Scenario]:
+    """The scenarios in the order they run (the large list last: it leaves a backlog behind),
+    or only those of one group."""
     scenarios: list[Scenario] = [
         SequentialSubmit(sizes.sequential_jobs),
         BurstOfTrivialJobs(sizes.burst_jobs),
         ConcurrentSleepers(sizes.sleeper_jobs),
         ListWithJobs(LISTED_JOBS),
         ConcurrentPosts(sizes.concurrent_posts, POST_WORKERS),
+        LogTailLatency(sizes.tail_lines),
+        TimeToFirstLine(sizes.first_line_jobs),
+        BigLog(sizes.big_log_bytes),
     ]
     if sizes.list_at_scale > 0:
         scenarios.append(ListAtScale(sizes.list_at_scale, LISTED_JOBS))
-    return scenarios
+    return [s for s in scenarios if only is None or s.group == only]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -121,6 +167,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--quick", action="store_true", help="small sizes, no large list (a few minutes)"
+    )
+    parser.add_argument(
+        "--only",
+        choices=SCENARIO_GROUPS,
+        help="run only the job scenarios or only the log scenarios",
     )
     parser.add_argument(
         "--list-jobs",
@@ -152,19 +203,39 @@ async def warm_up(ctx: RunContext) -> None:
     logger.info("%s warmed up in %.2f s", ctx.server, time.monotonic() - started_s)
 
 
-async def measure_all(scenarios: list[Scenario], urls: dict[Server, str]) -> Results:
+async def measure_all(
+    scenarios: list[Scenario],
+    urls: dict[Server, str],
+    log_processes: dict[Server, Callable[[], list[psutil.Process]]],
+) -> Results:
     """Run every scenario against each of its servers, Ray's first."""
     results = Results()
     run_tag = uuid.uuid4().hex[:6]
     async with new_session() as session:
         apis = {server: JobsApi(session, url) for server, url in urls.items()}
         for server, api in apis.items():
-            await warm_up(RunContext(api, server, results, run_tag))
+            await warm_up(RunContext(api, server, results, run_tag, log_processes[server]))
         for number, scenario in enumerate(scenarios, start=1):
             for server in scenario.servers:
-                ctx = RunContext(apis[server], server, results, run_tag)
+                ctx = RunContext(apis[server], server, results, run_tag, log_processes[server])
                 results.record(server, await measure_one(number, scenario, ctx))
+                await settle()
     return results
+
+
+# Two cores: the next measurement waits until the last server's clean-up has stopped using them.
+SETTLE_CPU_PERCENT = 25.0
+SETTLE_TIMEOUT_S = 60.0
+
+
+async def settle() -> None:
+    """Wait (bounded) until the machine's CPUs are mostly idle."""
+    deadline_s = time.monotonic() + SETTLE_TIMEOUT_S
+    while time.monotonic() < deadline_s:
+        busy = await asyncio.to_thread(psutil.cpu_percent, 1.0)
+        if busy < SETTLE_CPU_PERCENT:
+            return
+    logger.info("    the machine is still busy after %.0f s; going on", SETTLE_TIMEOUT_S)
 
 
 async def measure_one(number: int, scenario: Scenario, ctx: RunContext) -> dict[str, Figure]:
@@ -185,7 +256,11 @@ async def measure_one(number: int, scenario: Scenario, ctx: RunContext) -> dict[
 
 
 def render(
-    metrics: list[Metric], results: Results, sizes: Sizes, started: datetime.datetime
+    metrics: list[Metric],
+    results: Results,
+    sizes: Sizes,
+    started: datetime.datetime,
+    only: str | None = None,
 ) -> str:
     """results.md: when, where and how it ran, the table, then the notes."""
     lines = [
@@ -195,6 +270,7 @@ def render(
         f"- machine: {os.cpu_count()} cores",
         f"- command: `{shlex.join(sys.orig_argv)}` (from the repository root)",
         f"- Ray {importlib.metadata.version('ray')}; sizes: {sizes.describe()}",
+        *([f"- only the {only} scenarios ran"] if only else []),
         "",
         markdown_table(metrics, results),
         "",
@@ -221,16 +297,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A SIGTERM unwinds like Ctrl-C, so the finally blocks stop every process group we started.
     signal.signal(signal.SIGTERM, _interrupt)
     sizes = sizes_for(args.quick, args.list_jobs)
-    scenarios = build_scenarios(sizes)
+    scenarios = build_scenarios(sizes, args.only)
     started = datetime.datetime.now().astimezone()
     # Short path: Ray's session directory holds Unix sockets, whose paths are length-limited.
     work_dir = Path(tempfile.mkdtemp(prefix="jobs-bench-", dir="/tmp"))
     logger.info("work dir %s; sizes: %s", work_dir, sizes.describe())
     survivors: list[tuple[int, str]] = []
     try:
-        with ray_head(work_dir) as head, jobs_server(head.gcs_address, work_dir) as ours_url:
+        with ray_head(work_dir) as head, jobs_server(head.gcs_address, work_dir) as ours:
             results = asyncio.run(
-                measure_all(scenarios, {Server.RAY: head.dashboard_url, Server.OURS: ours_url})
+                measure_all(
+                    scenarios,
+                    {Server.RAY: head.dashboard_url, Server.OURS: ours.url},
+                    {
+                        Server.RAY: lambda: ray_log_processes(head),
+                        Server.OURS: lambda: our_log_processes(ours),
+                    },
+                )
             )
     finally:
         # Every Ray process of this cluster names the work dir in its command line.
@@ -243,7 +326,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             shutil.rmtree(work_dir, ignore_errors=True)
     for pid, cmdline in survivors:
         results.note(None, f"process {pid} outlived its process group (killed): {cmdline}")
-    report = render([m for s in scenarios for m in s.metrics()], results, sizes, started)
+    metrics = [m for s in scenarios for m in s.metrics()]
+    report = render(metrics, results, sizes, started, args.only)
     RESULTS_PATH.write_text(report)
     sys.stdout.write(report)
     logger.info("written to %s", RESULTS_PATH)

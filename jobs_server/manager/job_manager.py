@@ -211,7 +211,8 @@ class JobManager:
         except JobNotFoundError:
             return True  # deleted while being read: nothing more will be written
 
-    def _supervised_job(self, spec: JobSpec) -> SupervisedJob:
+    def _supervised_job(self, spec: JobSpec) -> dict[str, Any]:
+        """What the supervisor needs, as the plain fields `run_job` takes."""
         return SupervisedJob(
             submission_id=spec.submission_id,
             entrypoint=spec.entrypoint,
@@ -220,7 +221,7 @@ class JobManager:
             metadata=spec.metadata,
             stop_grace_s=self._stop_grace_s,
             timeout_s=spec.timeout_s,
-        )
+        ).model_dump(mode="json")
 
     def _watch(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
         submission_id = record.submission_id

@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-LOG_CHUNK_BYTES = 64 * 1024
+# Large enough that a full read of a big log is not dominated by per-chunk costs (a thread hop,
+# a write); a follower of a live job reads only what is new, usually far less.
+LOG_CHUNK_BYTES = 256 * 1024
 # How often a follower looks for new bytes once it has read everything: the tail's lag. A look
 # is one fstat; the file is read only when it grew.
 LOG_POLL_INTERVAL_S = 0.01

@@ -83,12 +83,19 @@ class JobSupervisor:
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
         self._store: JobStore | None = None
+        # Commands being started: a child that exits before its run records its pid must not
+        # be taken for an orphan and reaped, or asyncio never learns its exit code.
+        self._starting = 0
 
     async def ping(self) -> None:
         """Answer once the actor is up (used to warm it)."""
 
-    async def run_job(self, job: SupervisedJob) -> JobStatus:
-        """Start the job unless it has started, and return its terminal status when it ends."""
+    async def run_job(self, job_fields: dict[str, Any]) -> JobStatus:
+        """Start the job (`SupervisedJob` fields) unless it has started, and return its terminal
+        status when it ends."""
+        # A plain dict crosses the actor boundary: pickling the model's class by value on every
+        # call would cost more than the rest of the submission.
+        job = SupervisedJob.model_validate(job_fields)
         run = self._runs.get(job.submission_id)
         if run is None:
             run = _JobRun(job=job, stop_grace_s=job.stop_grace_s)
@@ -143,6 +150,7 @@ class JobSupervisor:
             return record.status
         self._ensure_guardian()
         job_token = secrets.token_hex(16)
+        self._starting += 1
         try:
             process = await start_entrypoint(
                 job.entrypoint, log_path=job.log_path, env=self._driver_env(job, job_token)
@@ -156,6 +164,8 @@ class JobSupervisor:
                 message=f"Job entrypoint command could not start: {error}",
             )
             return failed.status
+        finally:
+            self._starting -= 1
         try:
             record = await store.update(
                 job.submission_id,
@@ -179,7 +189,8 @@ class JobSupervisor:
         finally:
             # Whatever the command left behind ends with it.
             await kill_job_processes(job_token, other_roots=self._other_roots(run))
-            reap_orphans(keep=self._running_pids())
+            if not self._starting:
+                reap_orphans(keep=self._running_pids())
 
     def _running_pids(self) -> set[int]:
         """Command pids that asyncio still waits for; reaping them here would steal their status."""
