@@ -1,5 +1,7 @@
 # jobs-server against the Ray cluster that RAY_ADDRESS names (its GCS address, host:6379).
-# The image's Ray version (pinned in pyproject.toml) must match the cluster's.
+# The image's Ray version (pinned in pyproject.toml) must match the cluster's. It listens on all
+# of the container's interfaces, so it starts only with a token: run it with
+# -e JOBS_SERVER_AUTH_TOKEN=... (or mount a file and set JOBS_SERVER_AUTH_TOKEN_FILE).
 FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 \

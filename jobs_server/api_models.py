@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
+# Records live in the GCS and are listed whole: keep each one small.
+MAX_METADATA_BYTES = 64 * 1024
+MAX_RUNTIME_ENV_BYTES = 256 * 1024
 
 
 def _not_dot_path(value: str) -> str:
@@ -45,6 +49,17 @@ class SubmitJobRequest(BaseModel):
     timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
         None, description="Extension: stop the job and fail it when it runs longer than this."
     )
+
+    @model_validator(mode="after")
+    def _bounded_sizes(self) -> SubmitJobRequest:
+        for name, limit in (
+            ("metadata", MAX_METADATA_BYTES),
+            ("runtime_env", MAX_RUNTIME_ENV_BYTES),
+        ):
+            value = getattr(self, name)
+            if value is not None and len(json.dumps(value)) > limit:
+                raise ValueError(f"{name} is larger than {limit} bytes of JSON")
+        return self
 
     def to_spec(self, default_submission_id: str) -> JobSpec:
         return JobSpec(

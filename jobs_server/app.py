@@ -6,10 +6,13 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp_cors
 from aiohttp import web
 
 from jobs_server.api_models import JobDetailsJsonCache
+from jobs_server.auth import AccessPolicy, resolve_auth_token
 from jobs_server.keys import (
+    ACCESS_POLICY_KEY,
     CLUSTER_INFO_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
@@ -23,7 +26,7 @@ from jobs_server.manager import (
     disconnect_from_ray,
     read_cluster_info,
 )
-from jobs_server.middlewares import error_middleware
+from jobs_server.middlewares import auth_middleware, cross_site_middleware, error_middleware
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
 
@@ -39,15 +42,37 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     Pass `manager` to use one that the caller owns (it is neither started nor closed here).
     """
     app = web.Application(
-        middlewares=[error_middleware],
+        middlewares=[error_middleware, cross_site_middleware, auth_middleware],
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )
     app[SETTINGS_KEY] = settings
+    app[ACCESS_POLICY_KEY] = AccessPolicy(
+        token=resolve_auth_token(settings), cors_origins=frozenset(settings.cors_origins)
+    )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app.cleanup_ctx.append(_ray_and_manager(manager))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
+    if settings.cors_origins:
+        _allow_cors(app, settings.cors_origins)
     return app
+
+
+def _allow_cors(app: web.Application, origins: list[str]) -> None:
+    """CORS headers and preflight answers for the origins the operator allowed, and no other."""
+    cors = aiohttp_cors.setup(
+        app,
+        defaults={
+            origin: aiohttp_cors.ResourceOptions(  # type: ignore[no-untyped-call]
+                allow_credentials=False,
+                allow_headers=("Authorization", "X-Ray-Authorization", "Content-Type", "Range"),
+                expose_headers=("Content-Range",),
+            )
+            for origin in origins
+        },
+    )
+    for route in list(app.router.routes()):
+        cors.add(route)
 
 
 def _ray_and_manager(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import ssl
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +14,7 @@ from pydantic import ValidationError
 
 from jobs_server import __version__
 from jobs_server.app import create_app
+from jobs_server.auth import TokenSourceError, is_loopback, resolve_auth_token
 from jobs_server.request_body import describe_validation_error
 from jobs_server.settings import Settings
 
@@ -39,12 +41,26 @@ def build_parser() -> argparse.ArgumentParser:
         env_var = f"JOBS_SERVER_{name.upper()}"
         if name == "ray_address":
             env_var += " or RAY_ADDRESS"
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        if extra.get("cli") is False:
+            continue
+        help_text = f"{field.description} [env: {env_var}]"
+        if field.annotation is bool:
+            serve.add_argument(
+                _flag(name),
+                dest=name,
+                action="store_true",
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+            continue
+        default = field.default_factory() if field.default_factory else field.default  # type: ignore[call-arg]
         serve.add_argument(
             _flag(name),
             dest=name,
             default=argparse.SUPPRESS,
             metavar=name.upper(),
-            help=f"{field.description} [env: {env_var}] (default: {field.default})",
+            help=f"{help_text} (default: {default})",
         )
     return parser
 
@@ -65,13 +81,50 @@ def main(argv: Sequence[str] | None = None) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        token = resolve_auth_token(settings)
+        ssl_context = _ssl_context(settings)
+    except (TokenSourceError, OSError, ssl.SSLError) as error:
+        sys.exit(f"jobs-server: {error}")
+    _check_bind(settings, has_token=token is not None)
     logger.info(
-        "jobs-server %s listening on http://%s:%d", __version__, settings.host, settings.port
+        "jobs-server %s listening on %s://%s:%d (%s)",
+        __version__,
+        "https" if ssl_context else "http",
+        settings.host,
+        settings.port,
+        "token required" if token else "no authentication",
     )
     web.run_app(
         create_app(settings),
         host=settings.host,
         port=settings.port,
+        ssl_context=ssl_context,
         print=None,
         access_log_format='%a "%r" %s %b %Tfs',
     )
+
+
+def _check_bind(settings: Settings, *, has_token: bool) -> None:
+    """Refuse to expose an unauthenticated server beyond this machine: it runs shell commands."""
+    if has_token or is_loopback(settings.host):
+        return
+    if not settings.insecure_no_auth:
+        sys.exit(
+            f"jobs-server: refusing to listen on {settings.host} without a token: anyone who can"
+            " reach it could run commands here. Set JOBS_SERVER_AUTH_TOKEN or --auth-token-file,"
+            " or pass --insecure-no-auth if something else protects it."
+        )
+    logger.warning(
+        "listening on %s WITHOUT authentication (--insecure-no-auth): anyone who can reach this"
+        " port can run commands as this user",
+        settings.host,
+    )
+
+
+def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    if settings.tls_cert is None or settings.tls_key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.tls_cert, settings.tls_key)
+    return context

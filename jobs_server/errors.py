@@ -8,6 +8,9 @@ JobsServerError
 ├── ConflictError              the request conflicts with the job's state
 │   ├── DuplicateJobError      the submission_id is taken
 │   └── JobNotTerminalError    deleting a job that has not ended
+├── AuthenticationRequiredError  no token (401)
+├── InvalidTokenError          a wrong token (403)
+├── CrossSiteRequestError      a browser request from another site (403)
 ├── PayloadTooLargeError       a body over the configured limit
 ├── UnsupportedMediaTypeError  a body that is not JSON
 └── ClusterUnavailableError    Ray could not be reached
@@ -15,11 +18,15 @@ JobsServerError
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 
 class JobsServerError(Exception):
     """Base class of every error the server reports to a client."""
 
     code = "internal_error"
+    # Headers the answer must carry (e.g. WWW-Authenticate with a 401).
+    headers: ClassVar[dict[str, str]] = {}
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -74,3 +81,16 @@ class ClusterUnavailableError(JobsServerError):
 
 class UnsupportedMediaTypeError(JobsServerError):
     code = "unsupported_media_type"
+
+
+class AuthenticationRequiredError(JobsServerError):
+    code = "unauthorized"
+    headers: ClassVar[dict[str, str]] = {"WWW-Authenticate": 'Bearer realm="jobs-server"'}
+
+
+class InvalidTokenError(JobsServerError):
+    code = "forbidden"
+
+
+class CrossSiteRequestError(JobsServerError):
+    code = "cross_site_request"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from jobs_server.api_models import JobDetailsJsonCache
+from jobs_server.auth import AccessPolicy
 from jobs_server.manager import ClusterInfo, JobManager, PackageStore
 from jobs_server.settings import Settings
 
@@ -13,3 +14,7 @@ JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
 PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
+ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
+
+# Set by the authentication middleware on each request, read by the audit log.
+AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

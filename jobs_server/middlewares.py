@@ -9,16 +9,21 @@ from http import HTTPStatus
 from aiohttp import web
 
 from jobs_server.api_models import ErrorDetail, ErrorResponse
+from jobs_server.auth import token_from_headers, token_matches
 from jobs_server.errors import (
+    AuthenticationRequiredError,
     ClusterUnavailableError,
     ConflictError,
+    CrossSiteRequestError,
     InvalidRequestError,
+    InvalidTokenError,
     JobNotFoundError,
     JobsServerError,
     PackageNotFoundError,
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
+from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +31,9 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 _STATUS_BY_ERROR: dict[type[JobsServerError], int] = {
     InvalidRequestError: 400,
+    AuthenticationRequiredError: 401,
+    InvalidTokenError: 403,
+    CrossSiteRequestError: 403,
     JobNotFoundError: 404,
     PackageNotFoundError: 404,
     ConflictError: 409,
@@ -62,7 +70,9 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except JobsServerError as error:
-        return error_response(status_for(error), error.code, error.message)
+        response = error_response(status_for(error), error.code, error.message)
+        response.headers.update(error.headers)
+        return response
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -79,3 +89,44 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception:
         logger.exception("unexpected error handling %s %s", request.method, request.path)
         return error_response(500, "internal_error", "The server failed to handle the request.")
+
+
+# Probes must answer without credentials; nothing they say is secret.
+UNAUTHENTICATED_PATHS = frozenset({"/api/healthz"})
+# Methods that change something: what a cross-site browser request must not do.
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """401 without a token, 403 with a wrong one; the token itself is never logged."""
+    expected = request.app[ACCESS_POLICY_KEY].token
+    request[AUTHENTICATED_KEY] = False
+    # A CORS preflight carries no credentials by design; it only asks what is allowed.
+    exempt = request.path in UNAUTHENTICATED_PATHS or request.method == "OPTIONS"
+    if expected is not None and not exempt:
+        given = token_from_headers(request.headers)
+        if given is None:
+            raise AuthenticationRequiredError(
+                "This server requires a token: send `Authorization: Bearer <token>`."
+            )
+        if not token_matches(given, expected):
+            raise InvalidTokenError("The token is not valid for this server.")
+        request[AUTHENTICATED_KEY] = True
+    return await handler(request)
+
+
+@web.middleware
+async def cross_site_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A browser on another site cannot submit, stop, upload or delete, unless the operator
+    allowed its origin. Clients that are not browsers send neither header and pass."""
+    if request.method in UNSAFE_METHODS:
+        origin = request.headers.get("Origin")
+        fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
+        allowed = request.app[ACCESS_POLICY_KEY].cors_origins
+        same_origin = origin == f"{request.scheme}://{request.host}"
+        if origin is not None and not same_origin and origin not in allowed:
+            raise CrossSiteRequestError(f"Requests from origin {origin!r} are not allowed.")
+        if origin is None and fetch_site in {"cross-site", "same-site"}:
+            raise CrossSiteRequestError("Cross-site requests are not allowed.")
+    return await handler(request)

@@ -13,6 +13,25 @@ from jobs_server.errors import InvalidRequestError, PayloadTooLargeError, Unsupp
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 _JSON_MEDIA_TYPES = frozenset({"application/json"})
+# Deeper than any real runtime_env; bounds the work of validating and storing a body.
+MAX_JSON_DEPTH = 32
+
+
+def _nesting_depth(value: object) -> int:
+    """How deeply lists and objects nest in `value` (iteratively: no recursion to exhaust)."""
+    deepest = 0
+    pending: list[tuple[object, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        deepest = max(deepest, depth)
+        pending.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 async def read_json_model(request: web.Request, model: type[ModelT], *, max_bytes: int) -> ModelT:
@@ -42,6 +61,8 @@ async def read_optional_json_model(
         raise InvalidRequestError(f"The request body is not valid JSON: {error}") from error
     if not isinstance(data, dict):
         raise InvalidRequestError("The request body must be a JSON object.")
+    if _nesting_depth(data) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"The request body nests deeper than {MAX_JSON_DEPTH} levels.")
     try:
         return model.model_validate(data)
     except ValidationError as error:

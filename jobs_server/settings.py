@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_PORT = 8266
@@ -14,7 +14,9 @@ DEFAULT_LOG_DIR = Path.home() / ".local" / "state" / "jobs-server" / "logs"
 class Settings(BaseSettings):
     """Everything the server can be told; each field is a `--flag` and a `JOBS_SERVER_*` var."""
 
-    model_config = SettingsConfigDict(env_prefix="JOBS_SERVER_", frozen=True, extra="forbid")
+    model_config = SettingsConfigDict(
+        env_prefix="JOBS_SERVER_", frozen=True, extra="forbid", enable_decoding=False
+    )
 
     host: str = Field("127.0.0.1", description="Address to listen on.")
     port: int = Field(DEFAULT_PORT, ge=0, le=65535, description="TCP port to listen on.")
@@ -70,3 +72,39 @@ class Settings(BaseSettings):
         100 * 1024 * 1024, gt=0, description="Largest working_dir package upload, in bytes."
     )
     log_level: str = Field("INFO", description="Server log level (DEBUG, INFO, WARNING, ...).")
+    auth_token: SecretStr | None = Field(
+        None,
+        description=(
+            "Bearer token every request must carry (environment only: a flag would show in ps)."
+        ),
+        json_schema_extra={"cli": False},
+    )
+    auth_token_file: Path | None = Field(
+        None, description="File holding the bearer token (its first line)."
+    )
+    insecure_no_auth: bool = Field(
+        False,
+        description="Allow a non-loopback bind without a token: anyone who reaches it runs code.",
+    )
+    tls_cert: Path | None = Field(None, description="TLS certificate chain (PEM) to serve HTTPS.")
+    tls_key: Path | None = Field(None, description="TLS private key (PEM) for --tls-cert.")
+    cors_origins: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Browser origins (scheme://host[:port]) allowed to call the API cross-site,"
+            " comma-separated; none by default."
+        ),
+    )
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [origin.strip() for origin in value.split(",") if origin.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _tls_needs_both(self) -> Settings:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key go together")
+        return self

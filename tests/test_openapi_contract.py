@@ -9,6 +9,7 @@ import io
 import secrets
 import uuid
 import zipfile
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,14 @@ import pytest
 from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient
 from openapi_spec_validator import validate
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from jobs_server import api_models
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import wait_for_status
 from tests.openapi_contract import (
+    HTTP_METHODS,
     NO_ROUTE_OPERATION,
     Contract,
     load_spec,
@@ -35,7 +37,11 @@ BODY_LIMIT_BYTES = 4096
 # Document schemas that are parts of models rather than models of their own.
 SHARED_SCHEMAS = {"SubmissionId", "JobStatus"}
 # Documented answers the exchange cannot provoke cheaply, with why.
-NOT_PROVOKED = {"500": "needs a broken cluster or a bug"}
+NOT_PROVOKED = {
+    "500": "needs a broken cluster or a bug",
+    "401": "needs a server with a token: test_token_answers_match_the_document",
+    "403": "needs a server with a token: test_token_answers_match_the_document",
+}
 WEBSOCKET_HANDSHAKE = {
     "Connection": "Upgrade",
     "Upgrade": "websocket",
@@ -246,3 +252,44 @@ async def test_responses_match_the_document(
     }
     assert unprovoked == set(), "documented answers this test never produced"
     assert (NO_ROUTE_OPERATION, "404") in contract.exercised
+
+
+async def test_token_answers_match_the_document(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    settings: Settings,
+    contract: Contract,
+) -> None:
+    """On a server with a token, every operation but the probe answers 401 without it and 403
+    with a wrong one, as documented; a cross-site browser gets 403 too."""
+    secured = settings.model_copy(update={"auth_token": SecretStr("contract-token")})
+    api = Exchange(await aiohttp_client(create_app(secured)), contract)
+    for template, path_item in contract.spec["paths"].items():
+        path = template.format(job_id="any", protocol="gcs", package_name="_ray_pkg_00ff.zip")
+        for method in HTTP_METHODS:
+            if method not in path_item:
+                continue
+            if path_item[method]["operationId"] == "healthz":
+                await api.call("GET", path, expect=200)
+                continue
+            missing = await api.call(method.upper(), path, expect=401)
+            assert missing["error"]["code"] == "unauthorized"
+            wrong = await api.call(
+                method.upper(), path, headers={"Authorization": "Bearer nope"}, expect=403
+            )
+            assert wrong["error"]["code"] == "forbidden"
+    cross_site = await api.call(
+        "POST",
+        "/api/jobs/",
+        json={"entrypoint": "true"},
+        headers={"Authorization": "Bearer contract-token", "Origin": "https://evil.example"},
+        expect=403,
+    )
+    assert cross_site["error"]["code"] == "cross_site_request"
+    operations = {
+        path_item[method]["operationId"]
+        for path_item in contract.spec["paths"].values()
+        for method in HTTP_METHODS
+        if method in path_item
+    } - {"healthz"}
+    assert {(operation, "401") for operation in operations} <= contract.exercised
+    assert {(operation, "403") for operation in operations} <= contract.exercised

@@ -11,7 +11,11 @@ from jobs_server.manager.kv import GcsKv
 # Long enough for a job to be submitted after its package was found to exist.
 PACKAGE_PIN_S = 600
 _PACKAGE_PROTOCOLS = frozenset({"gcs"})
-_PACKAGE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}\.(zip|whl)$")
+# The names Ray's client gives what it uploads: a directory's zip named by its content hash,
+# or a wheel (py_modules) by its file name.
+_PACKAGE_NAME = re.compile(
+    r"^(_ray_pkg_[0-9a-f]{1,64}\.zip|[A-Za-z0-9][A-Za-z0-9_.+-]{0,200}\.whl)$"
+)
 
 
 def package_uri(protocol: str, name: str) -> str:
@@ -20,8 +24,7 @@ def package_uri(protocol: str, name: str) -> str:
         raise InvalidRequestError(f"Unsupported package protocol {protocol!r}; use 'gcs'.")
     if not _PACKAGE_NAME.match(name):
         raise InvalidRequestError(
-            f"Invalid package name {name!r}: expected a .zip or .whl file name such as"
-            " _ray_pkg_<hex>.zip."
+            f"Invalid package name {name!r}: expected _ray_pkg_<hex>.zip or a wheel file name."
         )
     return f"{protocol}://{name}"
 

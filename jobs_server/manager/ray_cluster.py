@@ -78,3 +78,12 @@ async def read_cluster_info(gcs_address: str) -> ClusterInfo:
         ray_commit=ray.__commit__,
         session_name=session_name.decode() if session_name is not None else None,
     )
+
+
+def ray_auth_token() -> str | None:
+    """The cluster's own token (RAY_AUTH_TOKEN, its file, or ~/.ray/auth_token), if Ray has one."""
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
+
+    header = AuthenticationTokenLoader.instance().get_token_for_http_header()
+    value = str(dict(header).get("authorization", ""))
+    return value.removeprefix("Bearer ").strip() or None

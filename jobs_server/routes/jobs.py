@@ -12,6 +12,7 @@ from jobs_server.api_models import (
     SubmitJobRequest,
     SubmitJobResponse,
 )
+from jobs_server.audit import audit, redacted_runtime_env
 from jobs_server.errors import InvalidRequestError
 from jobs_server.keys import JOB_DETAILS_CACHE_KEY, JOB_MANAGER_KEY, SETTINGS_KEY
 from jobs_server.manager import new_submission_id
@@ -26,6 +27,13 @@ async def submit_job(request: web.Request) -> web.Response:
         request, SubmitJobRequest, max_bytes=request.app[SETTINGS_KEY].max_request_bytes
     )
     record = await request.app[JOB_MANAGER_KEY].submit_job(body.to_spec(new_submission_id()))
+    audit(
+        request,
+        "submit",
+        record.submission_id,
+        entrypoint_bytes=len(body.entrypoint.encode()),
+        runtime_env=redacted_runtime_env(record.spec.runtime_env),
+    )
     return json_response(
         SubmitJobResponse(job_id=record.submission_id, submission_id=record.submission_id)
     )
@@ -56,12 +64,14 @@ async def stop_job(request: web.Request) -> web.Response:
     stopped = await request.app[JOB_MANAGER_KEY].stop_job(
         request.match_info["job_id"], grace_period_s=grace_period_s
     )
+    audit(request, "stop", request.match_info["job_id"], stopped=stopped)
     return json_response(StopJobResponse(stopped=stopped))
 
 
 @routes.delete("/api/jobs/{job_id}", name="delete_job")
 async def delete_job(request: web.Request) -> web.Response:
     await request.app[JOB_MANAGER_KEY].delete_job(request.match_info["job_id"])
+    audit(request, "delete", request.match_info["job_id"])
     return json_response(DeleteJobResponse(deleted=True))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from jobs_server.api_models import PackageResponse
+from jobs_server.audit import audit
 from jobs_server.errors import PayloadTooLargeError
 from jobs_server.keys import PACKAGE_STORE_KEY, SETTINGS_KEY
 from jobs_server.manager import package_uri
@@ -29,5 +30,7 @@ async def upload_package(request: web.Request) -> web.Response:
         raise PayloadTooLargeError(
             f"The package is {request.content_length} bytes; the limit is {max_bytes}."
         )
-    await request.app[PACKAGE_STORE_KEY].upload(uri, await request.read())
+    data = await request.read()
+    await request.app[PACKAGE_STORE_KEY].upload(uri, data)
+    audit(request, "upload", uri, bytes=len(data))
     return json_response(PackageResponse(uri=uri))

@@ -1,0 +1,80 @@
+"""Who may call the API: the bearer token, where it comes from, and when a bind is safe."""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from jobs_server.settings import Settings
+
+# Ray's SDK sends its token in one of these (Ray's own `Authorization: Bearer`, or its own
+# header when a proxy needs `Authorization` for itself).
+TOKEN_HEADERS = ("Authorization", "X-Ray-Authorization")
+BEARER_PREFIX = "bearer "
+
+
+class TokenSourceError(Exception):
+    """The configured token could not be read."""
+
+
+def resolve_auth_token(settings: Settings) -> str | None:
+    """The token from JOBS_SERVER_AUTH_TOKEN, else --auth-token-file, else Ray's own token when
+    the cluster uses one (RAY_AUTH_MODE=token); None: no authentication."""
+    if settings.auth_token is not None:
+        token = settings.auth_token.get_secret_value().strip()
+    elif settings.auth_token_file is not None:
+        try:
+            lines = settings.auth_token_file.read_text().splitlines()
+        except OSError as error:
+            raise TokenSourceError(f"cannot read --auth-token-file: {error}") from error
+        token = lines[0].strip() if lines else ""
+    elif os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        from jobs_server.manager.ray_cluster import ray_auth_token
+
+        token = ray_auth_token() or ""
+        if not token:
+            raise TokenSourceError("RAY_AUTH_MODE=token, but Ray has no token to share")
+    else:
+        return None
+    if not token:
+        raise TokenSourceError("the configured auth token is empty")
+    return token
+
+
+def token_from_headers(headers: Mapping[str, str]) -> str | None:
+    """The token a request carries, with or without the `Bearer ` prefix."""
+    for name in TOKEN_HEADERS:
+        value = headers.get(name)
+        if value:
+            value = str(value).strip()
+            if value.lower().startswith(BEARER_PREFIX):
+                value = value[len(BEARER_PREFIX) :].strip()
+            return value
+    return None
+
+
+def token_matches(given: str, expected: str) -> bool:
+    """Compare in constant time, so the answer's timing reveals nothing of the token."""
+    return hmac.compare_digest(given.encode(), expected.encode())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """What the middlewares enforce: the token (None: no authentication) and the browser
+    origins allowed to call cross-site."""
+
+    token: str | None
+    cors_origins: frozenset[str]

@@ -1,0 +1,491 @@
+"""Secure by default: tokens, safe binding, TLS, cross-site browsers, hostile input, audit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from aiohttp.test_utils import TestClient
+from pydantic import SecretStr
+
+from jobs_server.app import create_app
+from jobs_server.cli import _check_bind
+from jobs_server.settings import Settings
+from tests.conftest import free_port, stop_process_group, submit, wait_for_status, wait_until
+
+Client = TestClient[Any, Any]
+AiohttpClient = Callable[..., Awaitable[Client]]
+JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
+TOKEN = "s3cret-token-for-tests"
+
+
+@pytest.fixture
+async def token_client(aiohttp_client: AiohttpClient, settings: Settings) -> Client:
+    secured = settings.model_copy(update={"auth_token": SecretStr(TOKEN)})
+    return await aiohttp_client(create_app(secured))
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "unauthorized"),
+        ({"Authorization": "Bearer wrong"}, 403, "forbidden"),
+        ({"Authorization": f"Bearer {TOKEN}x"}, 403, "forbidden"),
+        ({"X-Ray-Authorization": "Bearer nope"}, 403, "forbidden"),
+        ({"Authorization": "Basic dXNlcjpwYXNz"}, 403, "forbidden"),
+    ],
+)
+async def test_requests_without_the_right_token_are_refused(
+    token_client: Client, headers: dict[str, str], status: int, code: str
+) -> None:
+    for method, path in [("GET", "/api/jobs/"), ("POST", "/api/jobs/"), ("GET", "/api/version")]:
+        response = await token_client.request(
+            method, path, headers=headers, json={"entrypoint": "true"}
+        )
+        assert response.status == status, (method, path)
+        assert (await response.json())["error"]["code"] == code
+        if status == 401:
+            assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    listed = await token_client.get("/api/jobs/", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert await listed.json() == []
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"Bearer {TOKEN}"},
+        {"authorization": f"bearer {TOKEN}"},
+        {"X-Ray-Authorization": f"Bearer {TOKEN}"},
+        {"X-Ray-Authorization": TOKEN},
+    ],
+)
+async def test_the_right_token_is_accepted_from_either_header(
+    token_client: Client, headers: dict[str, str]
+) -> None:
+    job_id = await submit_with(token_client, headers, entrypoint="echo authed")
+    response = await token_client.get(f"/api/jobs/{job_id}/logs", headers=headers)
+    assert response.status == 200
+    assert (await response.json())["logs"] in {"", "authed\n"}
+
+
+async def submit_with(client: Client, headers: dict[str, str], **body: Any) -> str:
+    response = await client.post("/api/jobs/", json=body, headers=headers)
+    assert response.status == 200, await response.text()
+    return str((await response.json())["submission_id"])
+
+
+async def test_healthz_needs_no_token(token_client: Client) -> None:
+    response = await token_client.get("/api/healthz")
+    assert response.status == 200
+
+
+async def test_tokens_never_reach_the_log(
+    token_client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    await token_client.get("/api/jobs/", headers={"Authorization": "Bearer guessed-wrong-token"})
+    await token_client.get("/api/jobs/", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert TOKEN not in caplog.text
+    assert "guessed-wrong-token" not in caplog.text
+
+
+def test_ray_token_is_used_when_the_cluster_uses_tokens(tmp_path: Path) -> None:
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "ray-cluster-token"}
+    script = (
+        "from jobs_server.auth import resolve_auth_token\n"
+        "from jobs_server.settings import Settings\n"
+        "print(resolve_auth_token(Settings()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "ray-cluster-token"
+    token_file = tmp_path / "token"
+    token_file.write_text("from-the-file\n")
+    assert (
+        _resolve_in_subprocess({"JOBS_SERVER_AUTH_TOKEN_FILE": str(token_file)}) == "from-the-file"
+    )
+    assert _resolve_in_subprocess({"JOBS_SERVER_AUTH_TOKEN": " from-env "}) == "from-env"
+    assert _resolve_in_subprocess({}) == "None"
+
+
+def _resolve_in_subprocess(extra_env: dict[str, str]) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_SERVER_")}
+    env.pop("RAY_AUTH_MODE", None)
+    script = (
+        "from jobs_server.auth import resolve_auth_token\n"
+        "from jobs_server.settings import Settings\n"
+        "print(resolve_auth_token(Settings()))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, **extra_env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return result.stdout.strip()
+
+
+def test_non_loopback_bind_without_a_token_is_refused() -> None:
+    result = subprocess.run(
+        [JOBS_SERVER, "serve", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={k: v for k, v in os.environ.items() if not k.startswith("JOBS_SERVER_")},
+    )
+    assert result.returncode != 0
+    assert "refusing to listen on 0.0.0.0 without a token" in result.stderr
+
+
+def test_bind_rules(caplog: pytest.LogCaptureFixture) -> None:
+    _check_bind(Settings(host="127.0.0.1"), has_token=False)
+    _check_bind(Settings(host="::1"), has_token=False)
+    _check_bind(Settings(host="10.1.2.3"), has_token=True)
+    with pytest.raises(SystemExit):
+        _check_bind(Settings(host="10.1.2.3"), has_token=False)
+    with pytest.raises(SystemExit):
+        _check_bind(Settings(host="example.internal"), has_token=False)
+    caplog.set_level(logging.WARNING)
+    _check_bind(Settings(host="10.1.2.3", insecure_no_auth=True), has_token=False)
+    assert "WITHOUT authentication" in caplog.text
+
+
+@pytest.fixture
+def tls_files(tmp_path: Path) -> tuple[Path, Path]:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_tls_and_a_token_with_rays_own_client(
+    ray_connection: str, tmp_path: Path, tls_files: tuple[Path, Path]
+) -> None:
+    cert, key = tls_files
+    port = free_port()
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("JOBS_SERVER_")},
+        "JOBS_SERVER_AUTH_TOKEN": TOKEN,
+        "JOBS_SERVER_PORT": str(port),
+        "JOBS_SERVER_RAY_ADDRESS": ray_connection,
+        "JOBS_SERVER_LOG_DIR": str(tmp_path / "logs"),
+        "JOBS_SERVER_NAMESPACE": "tls_test",
+        "JOBS_SERVER_TLS_CERT": str(cert),
+        "JOBS_SERVER_TLS_KEY": str(key),
+    }
+    log_path = tmp_path / "server.log"
+    with log_path.open("wb") as log:
+        server = subprocess.Popen(
+            [JOBS_SERVER, "serve"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"https://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _up(url, cert) or server.poll() is not None, 60, "the TLS server")
+        assert server.poll() is None, log_path.read_text()
+        with pytest.raises(requests.exceptions.SSLError):
+            requests.get(f"{url}/api/healthz", timeout=5)  # an unknown CA is refused
+        client_script = (
+            "import sys\n"
+            "from ray.job_submission import JobSubmissionClient\n"
+            "client = JobSubmissionClient(sys.argv[1], verify=sys.argv[2])\n"
+            "job = client.submit_job(entrypoint='echo over tls')\n"
+            "print(job, [j.submission_id for j in client.list_jobs()])\n"
+        )
+        client_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
+        client_env.pop("RAY_ADDRESS", None)
+        result = subprocess.run(
+            [sys.executable, "-c", client_script, url, str(cert)],
+            env=client_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr
+        job_id = result.stdout.split()[0]
+        assert job_id in result.stdout.split(" ", 1)[1]
+        wrong_env = {**client_env, "RAY_AUTH_TOKEN": "not-it"}
+        refused = subprocess.run(
+            [sys.executable, "-c", client_script, url, str(cert)],
+            env=wrong_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert refused.returncode != 0
+        assert "403" in refused.stderr or "Authentication failed" in refused.stderr
+    finally:
+        stop_process_group(server)
+    from tests.conftest import kill_actors_in_namespace
+
+    kill_actors_in_namespace("tls_test")
+
+
+def _up(url: str, cert: Path) -> bool:
+    try:
+        return requests.get(f"{url}/api/healthz", timeout=1, verify=str(cert)).status_code == 200
+    except requests.exceptions.RequestException:
+        return False
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Origin": "https://evil.example"},
+        {"Origin": "null"},
+        {"Sec-Fetch-Site": "cross-site"},
+        {"Sec-Fetch-Site": "same-site"},
+        {"Origin": "http://127.0.0.1:1", "Sec-Fetch-Site": "cross-site"},
+    ],
+)
+async def test_cross_site_browsers_cannot_change_anything(
+    client: Client, headers: dict[str, str]
+) -> None:
+    job_id = await submit(client, entrypoint="sleep 30")
+    for method, path, body in [
+        ("POST", "/api/jobs/", {"entrypoint": "echo pwned"}),
+        ("POST", f"/api/jobs/{job_id}/stop", None),
+        ("DELETE", f"/api/jobs/{job_id}", None),
+        ("PUT", "/api/packages/gcs/_ray_pkg_0123456789abcdef.zip", None),
+    ]:
+        response = await client.request(method, path, json=body, headers=headers)
+        assert response.status == 403, (method, path)
+        assert (await response.json())["error"]["code"] == "cross_site_request"
+    listed = await (await client.get("/api/jobs/")).json()
+    assert [(job["submission_id"], job["status"]) for job in listed] in (
+        [(job_id, "PENDING")],
+        [(job_id, "RUNNING")],
+    )
+    await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 0})
+
+
+async def test_same_origin_browser_requests_are_allowed(client: Client) -> None:
+    origin = f"http://{client.server.host}:{client.server.port}"
+    response = await client.post(
+        "/api/jobs/",
+        json={"entrypoint": "true"},
+        headers={"Origin": origin, "Sec-Fetch-Site": "same-origin"},
+    )
+    assert response.status == 200
+
+
+async def test_allowed_origins_get_cors_and_others_do_not(
+    aiohttp_client: AiohttpClient, settings: Settings
+) -> None:
+    allowed = "https://ui.example"
+    client = await aiohttp_client(
+        create_app(settings.model_copy(update={"cors_origins": [allowed]}))
+    )
+    preflight = await client.options(
+        "/api/jobs/",
+        headers={
+            "Origin": allowed,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Content-Type, Authorization",
+        },
+    )
+    assert preflight.status == 200
+    assert preflight.headers["Access-Control-Allow-Origin"] == allowed
+    response = await client.post(
+        "/api/jobs/",
+        json={"entrypoint": "true"},
+        headers={"Origin": allowed, "Sec-Fetch-Site": "cross-site"},
+    )
+    assert response.status == 200
+    assert response.headers["Access-Control-Allow-Origin"] == allowed
+    listed = await client.get("/api/jobs/", headers={"Origin": "https://other.example"})
+    assert "Access-Control-Allow-Origin" not in listed.headers
+
+
+async def test_audit_lines_for_submit_stop_delete_without_secrets(
+    client: Client, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="jobs_server.audit")
+    job_id = await submit(
+        client, entrypoint="echo hi", runtime_env={"env_vars": {"API_KEY": "hunter2"}}
+    )
+    await wait_for_status(client, job_id)
+    await client.post(f"/api/jobs/{job_id}/stop")
+    await client.delete(f"/api/jobs/{job_id}")
+    lines = [r.getMessage() for r in caplog.records if r.name == "jobs_server.audit"]
+    assert [line.split()[0] for line in lines] == ["submit", "stop", "delete"]
+    assert all(job_id in line and "remote=127.0.0.1" in line for line in lines)
+    assert all("authenticated=False" in line for line in lines)
+    assert "API_KEY" in lines[0]
+    assert "hunter2" not in caplog.text
+
+
+def _deep(depth: int) -> str:
+    return '{"entrypoint": "true", "metadata": ' + "[" * depth + "]" * depth + "}"
+
+
+HOSTILE_REQUESTS: list[tuple[str, str, dict[str, str], bytes]] = [
+    # (method, path, headers, body)
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"{"),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"null"),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"42"),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'"entrypoint"'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"[]"),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"{}"),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'{"entrypoint": null}'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'{"entrypoint": ["ls"]}'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'{"entrypoint": "a\\u0000b"}'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'{"entrypoint": "  "}'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, _deep(200).encode()),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, _deep(5000).encode()),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b'{"entrypoint": "true", "x": 1}'),
+    (
+        "POST",
+        "/api/jobs/",
+        {"Content-Type": "application/json"},
+        json.dumps({"entrypoint": "x" * (128 * 1024 + 1)}).encode(),
+    ),
+    (
+        "POST",
+        "/api/jobs/",
+        {"Content-Type": "application/json"},
+        json.dumps({"entrypoint": "true", "metadata": {"k": "v" * 70000}}).encode(),
+    ),
+    ("POST", "/api/jobs/", {"Content-Type": "application/json"}, b"\xff\xfe\xfd"),
+    (
+        "POST",
+        "/api/jobs/",
+        {"Content-Type": "application/json"},
+        b'{"entrypoint": "true"' + b" " * 2_000_000 + b"}",
+    ),
+    ("POST", "/api/jobs/", {"Content-Type": "text/plain"}, b'{"entrypoint": "true"}'),
+    ("POST", "/api/jobs/", {"Content-Type": "application/x-www-form-urlencoded"}, b"entrypoint=id"),
+    ("POST", "/api/jobs/", {"Content-Type": "multipart/form-data; boundary=x"}, b"--x--"),
+]
+for _bad_id in [
+    "../../x",
+    "..",
+    ".",
+    "a/b",
+    "a\\\\b",
+    "a%2Fb",
+    "a b",
+    "tab\\tid",
+    "é",
+    "x" * 256,
+    "nul\\u0000",
+]:
+    HOSTILE_REQUESTS.append(
+        (
+            "POST",
+            "/api/jobs/",
+            {"Content-Type": "application/json"},
+            (
+                '{"entrypoint": "touch /tmp/jobs-server-pwned", "submission_id": "' + _bad_id + '"}'
+            ).encode(),
+        )
+    )
+for _field, _value in [
+    ("entrypoint_num_cpus", "NaN"),
+    ("entrypoint_num_cpus", "Infinity"),
+    ("entrypoint_num_gpus", "-1"),
+    ("entrypoint_memory", "1.5"),
+    ("entrypoint_memory", "-1"),
+    ("entrypoint_resources", '{"x": -1}'),
+    ("entrypoint_resources", '{"x": NaN}'),
+    ("metadata", '{"k": 1}'),
+    ("metadata", '"str"'),
+    ("runtime_env", '{"env_vars": {"A": 1}}'),
+    ("runtime_env", '{"working_dir": 7}'),
+    ("runtime_env", "[]"),
+    ("timeout_s", "0"),
+    ("timeout_s", "-5"),
+]:
+    HOSTILE_REQUESTS.append(
+        (
+            "POST",
+            "/api/jobs/",
+            {"Content-Type": "application/json"},
+            ('{"entrypoint": "true", "' + _field + '": ' + _value + "}").encode(),
+        )
+    )
+HOSTILE_REQUESTS += [
+    ("GET", "/api/jobs/..%2F..%2Fetc%2Fpasswd", {}, b""),
+    ("GET", "/api/jobs/%2e%2e/logs", {}, b""),
+    ("GET", "/api/jobs/../../etc/passwd/logs", {}, b""),
+    ("DELETE", "/api/jobs/%00", {}, b""),
+    ("POST", "/api/jobs/x/stop?grace_period_s=nan", {}, b""),
+    ("GET", "/api/packages/gcs/..%2F..%2Fx.zip", {}, b""),
+    ("PUT", "/api/packages/gcs/evil.sh", {}, b"#!/bin/sh"),
+    ("PUT", "/api/packages/file/_ray_pkg_0123.zip", {}, b"PK"),
+    ("PATCH", "/api/jobs/", {}, b""),
+    ("TRACE", "/api/jobs/", {}, b""),
+    ("GET", "/api/secrets", {}, b""),
+    ("GET", "/" + "a" * 10000, {}, b""),
+]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "body"),
+    HOSTILE_REQUESTS,
+    ids=[f"{index}-{request[0]}" for index, request in enumerate(HOSTILE_REQUESTS)],
+)
+async def test_hostile_requests_get_json_4xx_and_change_nothing(
+    client: Client, settings: Settings, method: str, path: str, headers: dict[str, str], body: bytes
+) -> None:
+    outside = settings.log_dir.parent
+    before = {path for path in outside.rglob("*") if settings.log_dir not in path.parents}
+    response = await client.request(
+        method, path, headers=headers, data=body, skip_auto_headers=["Content-Type"]
+    )
+    assert 400 <= response.status < 500, (response.status, await response.text())
+    error = (await response.json())["error"]
+    assert error["code"]
+    assert error["message"]
+    assert (await client.get("/api/healthz")).status == 200
+    assert await (await client.get("/api/jobs/")).json() == []
+    after = {path for path in outside.rglob("*") if settings.log_dir not in path.parents}
+    assert after == before
+    assert not await asyncio.to_thread(os.path.exists, "/tmp/jobs-server-pwned")
+
+
+def test_there_are_at_least_forty_hostile_requests() -> None:
+    assert len(HOSTILE_REQUESTS) >= 40
+
+
+async def test_oversized_headers_are_refused_by_the_parser(client: Client) -> None:
+    response = await client.get("/api/jobs/", headers={"X-Huge": "h" * 20000})
+    assert 400 <= response.status < 500
+    assert (await client.get("/api/healthz")).status == 200
