@@ -21,14 +21,41 @@ def _not_dot_path(value: str) -> str:
     return value
 
 
-def _no_nul(value: str) -> str:
+def _command(value: str) -> str:
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
+    if not value.strip():
+        raise ValueError("must not be blank")
     return value
 
 
 SubmissionId = Annotated[str, Field(pattern=SUBMISSION_ID_PATTERN), AfterValidator(_not_dot_path)]
-NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Ray counts resources in units of 1/10000 and refuses finer fractions.
+RESOURCE_PRECISION = 10_000
+MAX_RESOURCE_QUANTITY = 1e12
+
+
+def _resource_quantity(value: float) -> float:
+    # Checked here rather than with multiple_of, whose float division refuses 0.3.
+    scaled = value * RESOURCE_PRECISION
+    if abs(scaled - round(scaled)) > 1e-6 * max(1.0, scaled):
+        raise ValueError("must be a multiple of 0.0001 (Ray's resource precision)")
+    return value
+
+
+# Strict: `true` is not a number of CPUs, nor "1" (Ray's clients send real numbers).
+NonNegativeNumber = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
+ResourceQuantity = Annotated[
+    float,
+    Field(
+        ge=0,
+        le=MAX_RESOURCE_QUANTITY,
+        allow_inf_nan=False,
+        strict=True,
+        json_schema_extra={"multipleOf": 1 / RESOURCE_PRECISION},
+    ),
+    AfterValidator(_resource_quantity),
+]
 
 
 class SubmitJobRequest(BaseModel):
@@ -36,17 +63,17 @@ class SubmitJobRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=False)
 
-    entrypoint: Annotated[str, Field(min_length=1, max_length=128 * 1024), AfterValidator(_no_nul)]
+    entrypoint: Annotated[str, Field(min_length=1, max_length=128 * 1024), AfterValidator(_command)]
     submission_id: SubmissionId | None = None
     job_id: SubmissionId | None = Field(None, description="Deprecated alias of submission_id.")
     runtime_env: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    entrypoint_num_cpus: NonNegativeNumber | None = None
-    entrypoint_num_gpus: NonNegativeNumber | None = None
-    entrypoint_memory: Annotated[int, Field(ge=0)] | None = None
-    entrypoint_resources: dict[str, NonNegativeNumber] | None = None
+    entrypoint_num_cpus: ResourceQuantity | None = None
+    entrypoint_num_gpus: ResourceQuantity | None = None
+    entrypoint_memory: Annotated[int, Field(ge=0, le=2**62, strict=True)] | None = None
+    entrypoint_resources: dict[str, ResourceQuantity] | None = None
     entrypoint_label_selector: dict[str, str] | None = None
-    timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = Field(
+    timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = Field(
         None, description="Extension: stop the job and fail it when it runs longer than this."
     )
 

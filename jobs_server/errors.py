@@ -2,7 +2,8 @@
 
 JobsServerError
 ├── InvalidRequestError        the request is malformed or fails validation
-│   └── InvalidRuntimeEnvError the runtime_env is rejected by Ray
+│   ├── InvalidRuntimeEnvError the runtime_env is rejected by Ray
+│   └── InvalidJobOptionsError Ray rejects the job's resources or options
 ├── JobNotFoundError           no job with that id
 ├── PackageNotFoundError       no uploaded package with that URI
 ├── ConflictError              the request conflicts with the job's state
@@ -39,6 +40,10 @@ class InvalidRequestError(JobsServerError):
 
 class InvalidRuntimeEnvError(InvalidRequestError):
     code = "invalid_runtime_env"
+
+
+class InvalidJobOptionsError(InvalidRequestError):
+    code = "invalid_job_options"
 
 
 class JobNotFoundError(JobsServerError):

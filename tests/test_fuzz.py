@@ -24,7 +24,14 @@ REQUESTS_SENT: list[str] = []
 def make_harmless(case: Any) -> None:
     body = case.body
     if isinstance(body, dict) and case.operation.definition.raw.get("operationId") == "submit_job":
-        if isinstance(body.get("entrypoint"), str) and body["entrypoint"]:
+        entrypoint = body.get("entrypoint")
+        # Only a command the server would accept is replaced: an invalid one must stay invalid.
+        if (
+            isinstance(entrypoint, str)
+            and entrypoint.strip()
+            and "\x00" not in entrypoint
+            and len(entrypoint) <= 128 * 1024
+        ):
             body["entrypoint"] = "true"
         runtime_env = body.get("runtime_env")
         if isinstance(runtime_env, dict):

@@ -18,7 +18,12 @@ from ray.exceptions import ActorDiedError, ActorUnschedulableError, RuntimeEnvSe
 from ray.runtime_env import RuntimeEnv
 
 import jobs_server
-from jobs_server.errors import InvalidRuntimeEnvError, JobNotFoundError, JobNotTerminalError
+from jobs_server.errors import (
+    InvalidJobOptionsError,
+    InvalidRuntimeEnvError,
+    JobNotFoundError,
+    JobNotTerminalError,
+)
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
@@ -130,8 +135,8 @@ class JobManager:
             finished = supervisor.run_job.remote(self._supervised_job(spec))
         except Exception as error:
             await self._store.delete(spec.submission_id)
-            if isinstance(error, ValueError | TypeError):
-                raise InvalidRuntimeEnvError(f"Invalid job options: {error}") from error
+            if isinstance(error, ValueError | TypeError | ArithmeticError):
+                raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
             raise
         self._watch(record, supervisor, finished)
         return record

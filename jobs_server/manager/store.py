@@ -31,12 +31,17 @@ class JobStore:
         self._kv = kv
         self._cache_terminal = cache_terminal
         self._terminal: dict[str, JobRecord] = {}
+        # The server's index of job ids, in submission order (read from the GCS once; it alone
+        # creates and deletes records in its namespace). None until first needed.
+        self._ids: dict[str, None] | None = None
 
     async def create(self, record: JobRecord) -> None:
         """Store a new record; raise DuplicateJobError if the submission_id is taken."""
         created = await self._kv.create(_job_key(record.submission_id), _encode(record))
         if not created:
             raise DuplicateJobError(record.submission_id)
+        if self._ids is not None:
+            self._ids[record.submission_id] = None
 
     async def get(self, submission_id: str) -> JobRecord:
         if submission_id in self._terminal:
@@ -47,9 +52,8 @@ class JobStore:
         return self._remember(JobRecord.model_validate_json(data))
 
     async def list(self) -> list[JobRecord]:
-        """Every record, in submission_id order."""
-        keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
-        ids = sorted(key.removeprefix(_JOB_KEY_PREFIX) for key in keys)
+        """Every record, in submission order; only jobs still running are read from the GCS."""
+        ids = await self._job_ids()
         unknown = [_job_key(job_id) for job_id in ids if job_id not in self._terminal]
         fetched = {
             record.submission_id: self._remember(record)
@@ -57,18 +61,34 @@ class JobStore:
                 JobRecord.model_validate_json, (await self._kv.get_many(unknown)).values()
             )
         }
-        for gone in self._terminal.keys() - set(ids):
-            del self._terminal[gone]
         records = []
-        for job_id in ids:
+        for job_id in list(ids):
             record = self._terminal.get(job_id) or fetched.get(job_id)
-            if record is not None:  # deleted between the two reads
+            if record is None:  # deleted meanwhile
+                ids.pop(job_id, None)
+            else:
                 records.append(record)
         return records
+
+    async def _job_ids(self) -> dict[str, None]:
+        if self._ids is None or not self._cache_terminal:
+            keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
+            records = await self._kv.get_many(keys)
+            by_start = sorted(
+                (JobRecord.model_validate_json(data) for data in records.values()),
+                key=lambda record: (record.start_time or 0, record.submission_id),
+            )
+            ids = {self._remember(record).submission_id: None for record in by_start}
+            if not self._cache_terminal:
+                return ids
+            self._ids = ids
+        return self._ids
 
     async def delete(self, submission_id: str) -> None:
         await self._kv.delete(_job_key(submission_id))
         self._terminal.pop(submission_id, None)
+        if self._ids is not None:
+            self._ids.pop(submission_id, None)
 
     def _remember(self, record: JobRecord) -> JobRecord:
         if self._cache_terminal and record.status.is_terminal():
