@@ -64,8 +64,9 @@ SCENARIO_GROUPS = ("jobs", "logs")
 
 METHOD_NOTES = [
     f"Both servers run on the same Ray head node ({RAY_NUM_CPUS} CPUs) and are driven by the "
-    "same aiohttp client; each scenario runs against Ray's server, then ours, and its jobs end "
-    "before the next scenario starts.",
+    "same aiohttp client; each scenario runs against Ray's server, then ours (ours first where "
+    "Ray's exiting workers would skew our memory baseline), and its jobs end before the next "
+    "scenario starts; between the two, the run waits until the CPUs are idle.",
     "Sequential jobs are polled with GET /api/jobs/{id} every 5 ms. Many jobs at once are "
     "watched with GET /api/jobs/ (one request per poll: every 50 ms for the burst, every 10 ms "
     "for the concurrent `sleep 60` jobs and their stop); a job is timed when the first response "

@@ -205,7 +205,7 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _healthy(url) or process.poll() is not None, 60, "jobs-server")
+        wait_until(lambda: is_healthy(url) or process.poll() is not None, 60, "jobs-server")
         assert process.poll() is None, (workdir / "server.log").read_text()
         yield url
     finally:
@@ -214,8 +214,9 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
         kill_actors_in_namespace(namespace)
 
 
-def _healthy(url: str) -> bool:
+def is_healthy(url: str, verify: str | bool = True) -> bool:
+    """Whether the server at `url` answers its probe."""
     try:
-        return requests.get(f"{url}/api/healthz", timeout=1).status_code == 200
-    except requests.ConnectionError:
+        return requests.get(f"{url}/api/healthz", timeout=1, verify=verify).status_code == 200
+    except requests.exceptions.RequestException:
         return False

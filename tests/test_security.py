@@ -20,7 +20,14 @@ from pydantic import SecretStr
 from jobs_server.app import create_app
 from jobs_server.cli import _check_bind
 from jobs_server.settings import Settings
-from tests.conftest import free_port, stop_process_group, submit, wait_for_status, wait_until
+from tests.conftest import (
+    free_port,
+    is_healthy,
+    stop_process_group,
+    submit,
+    wait_for_status,
+    wait_until,
+)
 
 Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
@@ -99,16 +106,8 @@ async def test_tokens_never_reach_the_log(
 
 
 def test_ray_token_is_used_when_the_cluster_uses_tokens(tmp_path: Path) -> None:
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "ray-cluster-token"}
-    script = (
-        "from jobs_server.auth import resolve_auth_token\n"
-        "from jobs_server.settings import Settings\n"
-        "print(resolve_auth_token(Settings()))\n"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
-    )
-    assert result.stdout.strip() == "ray-cluster-token"
+    ray_token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "ray-cluster-token"}
+    assert _resolve_in_subprocess(ray_token) == "ray-cluster-token"
     token_file = tmp_path / "token"
     token_file.write_text("from-the-file\n")
     assert (
@@ -216,7 +215,9 @@ def test_tls_and_a_token_with_rays_own_client(
         )
     url = f"https://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _up(url, cert) or server.poll() is not None, 60, "the TLS server")
+        wait_until(
+            lambda: is_healthy(url, str(cert)) or server.poll() is not None, 60, "the TLS server"
+        )
         assert server.poll() is None, log_path.read_text()
         with pytest.raises(requests.exceptions.SSLError):
             requests.get(f"{url}/api/healthz", timeout=5)  # an unknown CA is refused
@@ -256,13 +257,6 @@ def test_tls_and_a_token_with_rays_own_client(
     from tests.conftest import kill_actors_in_namespace
 
     kill_actors_in_namespace("tls_test")
-
-
-def _up(url: str, cert: Path) -> bool:
-    try:
-        return requests.get(f"{url}/api/healthz", timeout=1, verify=str(cert)).status_code == 200
-    except requests.exceptions.RequestException:
-        return False
 
 
 @pytest.mark.parametrize(
