@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import ray
 
 from jobs_server.manager.kv import GcsKv
@@ -45,13 +46,24 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
     elif address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, **init_options)
-    else:
+    elif _gcs_server_runs_here():
         try:
             ray.init(address="auto", **init_options)
             logger.info("joined the Ray cluster running on this machine")
         except ConnectionError:
             _start_embedded_ray(embedded_node_ip, init_options)
+    else:
+        _start_embedded_ray(embedded_node_ip, init_options)
     return RayConnection(ray.get_runtime_context().gcs_address, connected_here=True)
+
+
+def _gcs_server_runs_here() -> bool:
+    """Whether a Ray cluster's GCS runs on this machine.
+
+    Asked before `ray.init(address="auto")`, which otherwise falls back to the address file of
+    the last cluster started here: if that cluster is gone, it retries it for minutes.
+    """
+    return any(process.info["name"] == "gcs_server" for process in psutil.process_iter(["name"]))
 
 
 def _start_embedded_ray(node_ip: str, init_options: dict[str, Any]) -> None:
