@@ -361,3 +361,26 @@ async def test_a_shared_supervisor_death_fails_exactly_its_jobs(
     assert await job_logs(client, after) == "fine\n"
     await client.post(f"/api/jobs/{own}/stop", json={"grace_period_s": 0})
     assert (await wait_for_status(client, own))["status"] == "STOPPED"
+
+
+async def test_a_job_sent_to_a_dead_shared_supervisor_runs_on_its_replacement(
+    client: Client, settings: Settings
+) -> None:
+    first = await submit(client, entrypoint="true")
+    job = await wait_for_status(client, first)
+    assert job["status"] == "SUCCEEDED"
+    # The warm supervisor dies while idle: nothing has told the server yet.
+    (name,) = [
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == settings.namespace and "shared" in actor["name"]
+    ]
+    supervisor_pid = await asyncio.to_thread(
+        lambda: ray.get(ray.get_actor(name, namespace=settings.namespace).pid.remote())
+    )
+    os.kill(supervisor_pid, signal.SIGKILL)
+    await wait_until_dead([supervisor_pid])
+    job_id = await submit(client, entrypoint="echo survived")
+    job = await wait_for_status(client, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    assert await job_logs(client, job_id) == "survived\n"

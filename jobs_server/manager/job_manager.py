@@ -237,12 +237,25 @@ class JobManager:
     async def _watch_supervisor(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
         """Wait for the job to end; record the failures its supervisor cannot report."""
         submission_id = record.submission_id
+        name = record.supervisor_name or ""
         error_type: JobErrorType | None = None
         message = ""
         try:
-            if record.status is JobStatus.PENDING:
+            try:
+                if record.status is JobStatus.PENDING:
+                    await self._wait_until_started(record, supervisor)
+                await finished
+            except ActorDiedError:
+                if is_dedicated(name) or not await self._never_started(submission_id):
+                    raise
+                # A warm supervisor that died before anyone noticed: the job never started,
+                # so it runs on the replacement instead of failing.
+                logger.info("job %s reached a dead shared supervisor; retrying", submission_id)
+                self._supervisors.forget(name)
+                supervisor = self._supervisors.create(name, record.spec)
+                finished = supervisor.run_job.remote(self._supervised_job(record.spec))
                 await self._wait_until_started(record, supervisor)
-            await finished
+                await finished
         except JobStartTimeoutError as error:
             error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT
             message = str(error)
@@ -265,7 +278,6 @@ class JobManager:
                 await self._store.update(
                     submission_id, status=JobStatus.FAILED, error_type=error_type, message=message
                 )
-        name = record.supervisor_name or ""
         if is_dedicated(name):
             # The job has ended; its own supervisor has nothing left to do.
             ray.kill(supervisor, no_restart=True)
@@ -274,6 +286,12 @@ class JobManager:
         elif error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT:
             with contextlib.suppress(Exception):
                 await supervisor.stop_job.remote(submission_id, 0)
+
+    async def _never_started(self, submission_id: str) -> bool:
+        try:
+            return (await self._store.get(submission_id)).status is JobStatus.PENDING
+        except JobNotFoundError:
+            return False
 
     async def _wait_until_started(self, record: JobRecord, supervisor: Any) -> None:
         """Wait for the command to start, at most what is left of the start timeout."""

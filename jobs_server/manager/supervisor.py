@@ -90,6 +90,10 @@ class JobSupervisor:
     async def ping(self) -> None:
         """Answer once the actor is up (used to warm it)."""
 
+    async def pid(self) -> int:
+        """The supervisor's process id (for operators and tests)."""
+        return os.getpid()
+
     async def run_job(self, job_fields: dict[str, Any]) -> JobStatus:
         """Start the job (`SupervisedJob` fields) unless it has started, and return its terminal
         status when it ends."""
