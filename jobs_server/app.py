@@ -16,6 +16,7 @@ from jobs_server.keys import (
     CLUSTER_INFO_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
+    METRICS_KEY,
     PACKAGE_STORE_KEY,
     SETTINGS_KEY,
 )
@@ -26,7 +27,13 @@ from jobs_server.manager import (
     disconnect_from_ray,
     read_cluster_info,
 )
-from jobs_server.middlewares import auth_middleware, cross_site_middleware, error_middleware
+from jobs_server.metrics import ServerMetrics
+from jobs_server.middlewares import (
+    auth_middleware,
+    cross_site_middleware,
+    error_middleware,
+    metrics_middleware,
+)
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
 
@@ -42,7 +49,7 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     Pass `manager` to use one that the caller owns (it is neither started nor closed here).
     """
     app = web.Application(
-        middlewares=[error_middleware, cross_site_middleware, auth_middleware],
+        middlewares=[metrics_middleware, error_middleware, cross_site_middleware, auth_middleware],
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )
     app[SETTINGS_KEY] = settings
@@ -50,6 +57,7 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
         token=resolve_auth_token(settings), cors_origins=frozenset(settings.cors_origins)
     )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
+    app[METRICS_KEY] = ServerMetrics()
     app.cleanup_ctx.append(_ray_and_manager(manager))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)

@@ -7,6 +7,7 @@ from aiohttp import web
 from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.auth import AccessPolicy
 from jobs_server.manager import ClusterInfo, JobManager, PackageStore
+from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
@@ -15,6 +16,7 @@ PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
+METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

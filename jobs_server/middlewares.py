@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
@@ -23,7 +24,8 @@ from jobs_server.errors import (
     PayloadTooLargeError,
     UnsupportedMediaTypeError,
 )
-from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY
+from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY, METRICS_KEY
+from jobs_server.metrics import route_name
 
 logger = logging.getLogger(__name__)
 
@@ -130,3 +132,21 @@ async def cross_site_middleware(request: web.Request, handler: Handler) -> web.S
         if origin is None and fetch_site in {"cross-site", "same-site"}:
             raise CrossSiteRequestError("Cross-site requests are not allowed.")
     return await handler(request)
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Count and time every answer, errors included (it sits outside the error middleware)."""
+    started_s = time.monotonic()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as error:
+        status = error.status
+        raise
+    finally:
+        request.app[METRICS_KEY].observe_request(
+            route_name(request), request.method, status, time.monotonic() - started_s
+        )

@@ -1,11 +1,12 @@
-"""Probes and version: `/api/healthz` and Ray's `/api/version`."""
+"""Probes, version and metrics: `/api/healthz`, Ray's `/api/version`, Prometheus `/metrics`."""
 
 from __future__ import annotations
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from jobs_server.api_models import HealthResponse, VersionResponse
-from jobs_server.keys import CLUSTER_INFO_KEY
+from jobs_server.keys import CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
 from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
@@ -18,6 +19,16 @@ routes = web.RouteTableDef()
 async def healthz(request: web.Request) -> web.Response:
     """200 once the server is connected to Ray and serving."""
     return json_response(HealthResponse())
+
+
+@routes.get("/metrics", name="metrics")
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text exposition: HTTP requests by route, jobs by status."""
+    jobs = await request.app[JOB_MANAGER_KEY].list_jobs()
+    return web.Response(
+        body=request.app[METRICS_KEY].exposition(jobs),
+        headers={"Content-Type": CONTENT_TYPE_LATEST},
+    )
 
 
 @routes.get("/api/version", name="version")
