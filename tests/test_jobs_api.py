@@ -417,3 +417,34 @@ async def test_job_log_file_holds_only_the_jobs_bytes(client: Client, settings: 
     assert job["driver_exit_code"] == 3
     (log_file,) = settings.log_dir.glob("*exact-1*")
     assert log_file.read_bytes() == b"exact"
+
+
+async def test_list_filters_by_status_and_pages_with_a_cursor(client: Client) -> None:
+    ids = [await submit(client, entrypoint="true", submission_id=f"page-{n}") for n in range(5)]
+    failed = await submit(client, entrypoint="exit 1", submission_id="page-failed")
+    for job_id in [*ids, failed]:
+        await wait_for_status(client, job_id)
+    listed = await (await client.get("/api/jobs/?status=failed")).json()
+    assert [job["submission_id"] for job in listed] == [failed]
+    listed = await (await client.get("/api/jobs/?status=SUCCEEDED,FAILED")).json()
+    assert len(listed) == 6
+    seen: list[str] = []
+    url = "/api/jobs/?status=SUCCEEDED&limit=2"
+    for _ in range(5):
+        response = await client.get(url)
+        assert response.status == 200
+        seen += [job["submission_id"] for job in await response.json()]
+        if "Link" not in response.headers:
+            break
+        url = response.headers["Link"].split(">")[0].lstrip("<")
+    assert seen == ids  # submission order, every job once
+
+
+@pytest.mark.parametrize(
+    "query",
+    ["status=DONE", "status=", "limit=0", "limit=x", "after=no-such-job", "after=../x", "x=1"],
+)
+async def test_invalid_list_query_is_400(client: Client, query: str) -> None:
+    response = await client.get(f"/api/jobs/?{query}")
+    assert response.status == 400
+    assert query.split("=")[0] in (await response.json())["error"]["message"]

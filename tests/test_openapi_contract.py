@@ -138,6 +138,8 @@ async def test_responses_match_the_document(
     assert await api.call("GET", "/api/healthz", expect=200) == {"status": "ok"}
     assert (await api.call("GET", "/api/version", expect=200))["version"] == "4"
     assert "jobs_server_jobs" in await api.call("GET", "/metrics", expect=200)
+    await api.call("GET", "/api/jobs/?status=NOPE", expect=400)
+    await api.call("GET", "/api/jobs/?status=RUNNING&limit=1", expect=200)
 
     # Submissions the server refuses.
     json_header = {"Content-Type": "application/json"}

@@ -1,6 +1,6 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
-from jobs_server.manager.job_manager import JobManager, new_submission_id
+from jobs_server.manager.job_manager import JobManager, JobPage, new_submission_id
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
 from jobs_server.manager.ray_cluster import (
@@ -16,6 +16,7 @@ __all__ = [
     "ClusterInfo",
     "JobErrorType",
     "JobManager",
+    "JobPage",
     "JobRecord",
     "JobSpec",
     "JobStatus",

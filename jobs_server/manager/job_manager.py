@@ -9,6 +9,7 @@ import re
 import secrets
 import string
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from ray.runtime_env import RuntimeEnv
 import jobs_server
 from jobs_server.errors import (
     InvalidJobOptionsError,
+    InvalidRequestError,
     InvalidRuntimeEnvError,
     JobNotFoundError,
     JobNotTerminalError,
@@ -46,6 +48,14 @@ def new_submission_id() -> str:
     return SUBMISSION_ID_PREFIX + "".join(
         secrets.choice(_SUBMISSION_ID_ALPHABET) for _ in range(16)
     )
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """A page of jobs and the cursor (`after`) of the next one, None on the last page."""
+
+    records: list[JobRecord]
+    next_after: str | None
 
 
 class JobManager:
@@ -144,8 +154,30 @@ class JobManager:
     async def get_job(self, submission_id: str) -> JobRecord:
         return await self._store.get(submission_id)
 
-    async def list_jobs(self) -> list[JobRecord]:
-        return await self._store.list()
+    async def list_jobs(
+        self,
+        *,
+        statuses: frozenset[JobStatus] | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> JobPage:
+        """Jobs in submission order: those with one of `statuses`, after the job `after`, at
+        most `limit` of them; `next_after` is the cursor of the next page, if there is one."""
+        records = await self._store.list()
+        if after is not None:
+            position = next(
+                (index for index, record in enumerate(records) if record.submission_id == after),
+                None,
+            )
+            if position is None:
+                raise InvalidRequestError(f"after: no job {after!r} to continue after.")
+            records = records[position + 1 :]
+        if statuses is not None:
+            records = [record for record in records if record.status in statuses]
+        if limit is None or len(records) <= limit:
+            return JobPage(records=records, next_after=None)
+        page = records[:limit]
+        return JobPage(records=page, next_after=page[-1].submission_id)
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         """Ask a job to stop; return False if it had already ended."""

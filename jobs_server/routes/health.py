@@ -24,7 +24,7 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition: HTTP requests by route, jobs by status."""
-    jobs = await request.app[JOB_MANAGER_KEY].list_jobs()
+    jobs = (await request.app[JOB_MANAGER_KEY].list_jobs()).records
     return web.Response(
         body=request.app[METRICS_KEY].exposition(jobs),
         headers={"Content-Type": CONTENT_TYPE_LATEST},

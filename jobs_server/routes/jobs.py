@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.api_models import (
     DeleteJobResponse,
     JobDetails,
     StopJobRequest,
     StopJobResponse,
+    SubmissionId,
     SubmitJobRequest,
     SubmitJobResponse,
 )
 from jobs_server.audit import audit, redacted_runtime_env
 from jobs_server.errors import InvalidRequestError
 from jobs_server.keys import JOB_DETAILS_CACHE_KEY, JOB_MANAGER_KEY, SETTINGS_KEY
-from jobs_server.manager import new_submission_id
-from jobs_server.request_body import json_response, read_json_model, read_optional_json_model
+from jobs_server.manager import JobStatus, new_submission_id
+from jobs_server.request_body import (
+    describe_validation_error,
+    json_response,
+    read_json_model,
+    read_optional_json_model,
+)
 
 routes = web.RouteTableDef()
 
@@ -39,12 +48,43 @@ async def submit_job(request: web.Request) -> web.Response:
     )
 
 
+class ListJobsQuery(BaseModel):
+    """Query of `GET /api/jobs/` (extensions; without them the list is Ray's: every job)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    status: str | None = Field(None, description="Comma-separated statuses to keep.")
+    after: SubmissionId | None = None
+    limit: Annotated[int, Field(ge=1, le=10_000)] | None = None
+
+    def statuses(self) -> frozenset[JobStatus] | None:
+        if self.status is None:
+            return None
+        names = [name.strip().upper() for name in self.status.split(",") if name.strip()]
+        unknown = [name for name in names if name not in JobStatus.__members__]
+        if unknown or not names:
+            raise InvalidRequestError(
+                f"status: expected statuses among {', '.join(JobStatus)}, got {self.status!r}"
+            )
+        return frozenset(JobStatus[name] for name in names)
+
+
 @routes.get("/api/jobs/", name="list_jobs")
 async def list_jobs(request: web.Request) -> web.Response:
-    records = await request.app[JOB_MANAGER_KEY].list_jobs()
+    try:
+        query = ListJobsQuery.model_validate(dict(request.query))
+    except ValidationError as error:
+        raise InvalidRequestError(describe_validation_error(error)) from error
+    page = await request.app[JOB_MANAGER_KEY].list_jobs(
+        statuses=query.statuses(), after=query.after, limit=query.limit
+    )
     cache = request.app[JOB_DETAILS_CACHE_KEY]
-    text = "[" + ",".join(cache.json_for(record) for record in records) + "]"
-    return web.Response(text=text, content_type="application/json")
+    text = "[" + ",".join(cache.json_for(record) for record in page.records) + "]"
+    response = web.Response(text=text, content_type="application/json")
+    if page.next_after is not None:
+        next_page = request.rel_url.update_query(after=page.next_after)
+        response.headers["Link"] = f'<{next_page}>; rel="next"'
+    return response
 
 
 @routes.get("/api/jobs/{job_id}", name="get_job")
