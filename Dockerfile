@@ -17,7 +17,7 @@ RUN groupadd --system --gid 10001 jobs \
     && chown -R jobs:jobs /var/lib/jobs-server
 
 WORKDIR /opt/jobs-server
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md openapi.yaml ./
 COPY jobs_server ./jobs_server
 RUN pip install --no-cache-dir .
 

@@ -216,7 +216,7 @@ class Contract:
         return data
 
 
-_TEXT_MEDIA_TYPES = frozenset({"text/plain", "text/event-stream"})
+_TEXT_MEDIA_TYPES = frozenset({"text/plain", "text/event-stream", "application/yaml"})
 
 
 def _excerpt(body: bytes | None) -> str:

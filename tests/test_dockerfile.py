@@ -46,4 +46,4 @@ def test_starts_the_server_listening_beyond_the_container() -> None:
 
 def test_copies_only_what_the_install_needs() -> None:
     copied = {source for instruction in _all("COPY") for source in instruction.value[:-1]}
-    assert copied == {"pyproject.toml", "README.md", "jobs_server"}
+    assert copied == {"pyproject.toml", "README.md", "openapi.yaml", "jobs_server"}

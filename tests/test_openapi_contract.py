@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient
 from openapi_spec_validator import validate
@@ -138,6 +139,8 @@ async def test_responses_match_the_document(
     assert await api.call("GET", "/api/healthz", expect=200) == {"status": "ok"}
     assert (await api.call("GET", "/api/version", expect=200))["version"] == "4"
     assert "jobs_server_jobs" in await api.call("GET", "/metrics", expect=200)
+    served = await api.call("GET", "/api/openapi.yaml", expect=200)
+    assert yaml.safe_load(served) == contract.spec
     await api.call("GET", "/api/jobs/?status=NOPE", expect=400)
     await api.call("GET", "/api/jobs/?status=RUNNING&limit=1", expect=200)
 

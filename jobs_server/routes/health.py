@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from importlib import resources
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -29,6 +32,17 @@ async def metrics(request: web.Request) -> web.Response:
         body=request.app[METRICS_KEY].exposition(jobs),
         headers={"Content-Type": CONTENT_TYPE_LATEST},
     )
+
+
+@routes.get("/api/openapi.yaml", name="openapi")
+async def openapi(request: web.Request) -> web.Response:
+    """This API's contract, the document the tests check the server against."""
+    document = await asyncio.to_thread(_read_openapi_document)
+    return web.Response(body=document, headers={"Content-Type": "application/yaml"})
+
+
+def _read_openapi_document() -> bytes:
+    return (resources.files("jobs_server") / "openapi.yaml").read_bytes()
 
 
 @routes.get("/api/version", name="version")
