@@ -104,7 +104,7 @@ class JobManager:
             logger.info(
                 "job %s was never handed to a supervisor; starting it", record.submission_id
             )
-            supervisor = self._supervisors.create(name, record.spec)
+            supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
         if supervisor is None:
             await self._store.update(
                 record.submission_id,
@@ -141,7 +141,7 @@ class JobManager:
         )
         await self._store.create(record)
         try:
-            supervisor = self._supervisors.create(name, spec)
+            supervisor = await asyncio.to_thread(self._supervisors.create, name, spec)
             finished = supervisor.run_job.remote(self._supervised_job(spec))
         except Exception as error:
             await self._store.delete(spec.submission_id)
@@ -195,7 +195,7 @@ class JobManager:
             submission_id, status=JobStatus.STOPPED, message="Job was stopped before it started."
         )
         if supervisor is not None and is_dedicated(name):
-            ray.kill(supervisor, no_restart=True)
+            await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         elif supervisor is not None:
             await supervisor.stop_job.remote(submission_id, 0)
         return True
@@ -284,7 +284,7 @@ class JobManager:
                 # so it runs on the replacement instead of failing.
                 logger.info("job %s reached a dead shared supervisor; retrying", submission_id)
                 self._supervisors.forget(name)
-                supervisor = self._supervisors.create(name, record.spec)
+                supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
                 finished = supervisor.run_job.remote(self._supervised_job(record.spec))
                 await self._wait_until_started(record, supervisor)
                 await finished
@@ -312,7 +312,7 @@ class JobManager:
                 )
         if is_dedicated(name):
             # The job has ended; its own supervisor has nothing left to do.
-            ray.kill(supervisor, no_restart=True)
+            await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         elif error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_DIED:
             self._supervisors.forget(name)
         elif error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT:

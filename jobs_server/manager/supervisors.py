@@ -63,7 +63,8 @@ class Supervisors:
         return next(self._round_robin)
 
     def create(self, name: str, spec: JobSpec) -> Any:
-        """The supervisor named `name` for `spec`: a new dedicated actor, or a shared one."""
+        """The supervisor named `name` for `spec`: a new dedicated actor, or a shared one
+        (blocking: a named actor is registered with the GCS before this returns)."""
         if not is_dedicated(name):
             return self._shared(name)
         options: dict[str, Any] = {
