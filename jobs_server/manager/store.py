@@ -31,8 +31,8 @@ class JobStore:
         self._kv = kv
         self._cache_terminal = cache_terminal
         self._terminal: dict[str, JobRecord] = {}
-        # The server's index of job ids, in submission order (read from the GCS once; it alone
-        # creates and deletes records in its namespace). None until first needed.
+        # Job ids in submission order, read from the GCS once. Like the cache, it is right only
+        # in the store that creates and deletes the records (the server's). None until listed.
         self._ids: dict[str, None] | None = None
 
     async def create(self, record: JobRecord) -> None:
@@ -51,10 +51,21 @@ class JobStore:
             raise JobNotFoundError(submission_id)
         return self._remember(JobRecord.model_validate_json(data))
 
+    async def _load_all(self) -> list[JobRecord]:
+        """Read every record once and index them (the only full read of the namespace)."""
+        keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
+        records = sorted(
+            map(JobRecord.model_validate_json, (await self._kv.get_many(keys)).values()),
+            key=lambda record: (record.start_time or 0, record.submission_id),
+        )
+        self._ids = {self._remember(record).submission_id: None for record in records}
+        return records
+
     async def list(self) -> list[JobRecord]:
-        """Every record, in submission order; only jobs still running are read from the GCS."""
-        ids = await self._job_ids()
-        unknown = [_job_key(job_id) for job_id in ids if job_id not in self._terminal]
+        """Every record, in submission order; once indexed, only jobs still running are read."""
+        if self._ids is None:
+            return await self._load_all()
+        unknown = [_job_key(job_id) for job_id in self._ids if job_id not in self._terminal]
         fetched = {
             record.submission_id: self._remember(record)
             for record in map(
@@ -62,27 +73,13 @@ class JobStore:
             )
         }
         records = []
-        for job_id in list(ids):
+        for job_id in list(self._ids):
             record = self._terminal.get(job_id) or fetched.get(job_id)
             if record is None:  # deleted meanwhile
-                ids.pop(job_id, None)
+                del self._ids[job_id]
             else:
                 records.append(record)
         return records
-
-    async def _job_ids(self) -> dict[str, None]:
-        if self._ids is None or not self._cache_terminal:
-            keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
-            records = await self._kv.get_many(keys)
-            by_start = sorted(
-                (JobRecord.model_validate_json(data) for data in records.values()),
-                key=lambda record: (record.start_time or 0, record.submission_id),
-            )
-            ids = {self._remember(record).submission_id: None for record in by_start}
-            if not self._cache_terminal:
-                return ids
-            self._ids = ids
-        return self._ids
 
     async def delete(self, submission_id: str) -> None:
         await self._kv.delete(_job_key(submission_id))
