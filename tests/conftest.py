@@ -181,13 +181,9 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
     port = free_port()
     namespace = f"test_server_{uuid.uuid4().hex[:8]}"
     workdir = tmp_path_factory.mktemp("server")
-    log = (workdir / "server.log").open("wb")
-    process = subprocess.Popen(
+    log_path = workdir / "server.log"
+    process = start_jobs_server(
         [
-            sys.executable,
-            "-m",
-            "jobs_server",
-            "serve",
             "--port",
             str(port),
             "--ray-address",
@@ -199,19 +195,43 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
             "--stop-grace-s",
             "2",
         ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+        log_path,
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: is_healthy(url) or process.poll() is not None, 60, "jobs-server")
-        assert process.poll() is None, (workdir / "server.log").read_text()
+        wait_for_server(url, process, log_path)
         yield url
     finally:
         stop_process_group(process)
-        log.close()
         kill_actors_in_namespace(namespace)
+
+
+def start_jobs_server(
+    args: list[str], log_path: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """`python -m jobs_server serve ARGS` in a session of its own, its output appended to a file."""
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "jobs_server", "serve", *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def wait_for_server(
+    url: str,
+    process: subprocess.Popen[bytes],
+    log_path: Path,
+    timeout_s: float = 60,
+    verify: str | bool = True,
+) -> None:
+    """Wait until the server answers its probe; fail with its log if it exited instead."""
+    wait_until(
+        lambda: is_healthy(url, verify) or process.poll() is not None, timeout_s, f"server {url}"
+    )
+    assert process.poll() is None, log_path.read_text()
 
 
 def is_healthy(url: str, verify: str | bool = True) -> bool:

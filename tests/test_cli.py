@@ -13,7 +13,13 @@ import requests
 
 from jobs_server.cli import build_parser, load_settings
 from jobs_server.settings import Settings
-from tests.conftest import free_port, is_healthy, stop_process_group, wait_until
+from tests.conftest import (
+    free_port,
+    start_jobs_server,
+    stop_process_group,
+    wait_for_server,
+    wait_until,
+)
 
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
 
@@ -76,18 +82,10 @@ def test_serve_starts_an_embedded_ray_on_loopback_without_dashboard(tmp_path: Pa
         "JOBS_SERVER_NAMESPACE": "embedded_test",
     }
     log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [JOBS_SERVER, "serve", "--ray-address", "local"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    process = start_jobs_server(["--ray-address", "local"], log_path, env)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: is_healthy(url) or process.poll() is not None, 120, "embedded server")
-        assert process.poll() is None, log_path.read_text()
+        wait_for_server(url, process, log_path, timeout_s=120)
         job = requests.post(f"{url}/api/jobs/", json={"entrypoint": "echo embedded"}, timeout=10)
         assert job.status_code == 200, job.text
         job_id = job.json()["submission_id"]

@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -26,6 +25,7 @@ from tests.conftest import (
     free_port,
     job_logs,
     kill_actors_in_namespace,
+    start_jobs_server,
     stop_process_group,
     submit,
     wait_for_status,
@@ -226,17 +226,6 @@ async def test_abandoned_submits_leave_no_ghost_jobs(client: Client) -> None:
     assert all(outcomes[f"ghost-{index}"] == "absent" for index in range(0, 12, 3))
 
 
-def start_server_process(env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "jobs_server", "serve"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
 async def wait_healthy(
     session: aiohttp.ClientSession, url: str, process: subprocess.Popen[bytes]
 ) -> None:
@@ -282,7 +271,7 @@ async def test_server_restart_loses_nothing(ray_connection: str, tmp_path: Path)
         "JOBS_SERVER_STOP_GRACE_S": "1",
     }
     log_path = tmp_path / "server.log"
-    first = start_server_process(env, log_path)
+    first = start_jobs_server([], log_path, env)
     second: subprocess.Popen[bytes] | None = None
     async with aiohttp.ClientSession() as session:
         try:
@@ -309,7 +298,7 @@ async def test_server_restart_loses_nothing(ray_connection: str, tmp_path: Path)
             os.kill(psutil.Process(int(doomed["driver_info"]["pid"])).ppid(), signal.SIGKILL)
             await asyncio.sleep(1.5)
 
-            second = start_server_process(env, log_path)
+            second = start_jobs_server([], log_path, env)
             await wait_healthy(session, url, second)
             assert (await http_status(session, url, "finishes-meanwhile"))["status"] == "SUCCEEDED"
             lost = await wait_http_status(session, url, "loses-supervisor", {"FAILED"})

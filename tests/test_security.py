@@ -22,11 +22,11 @@ from jobs_server.cli import _check_bind
 from jobs_server.settings import Settings
 from tests.conftest import (
     free_port,
-    is_healthy,
+    start_jobs_server,
     stop_process_group,
     submit,
+    wait_for_server,
     wait_for_status,
-    wait_until,
 )
 
 Client = TestClient[Any, Any]
@@ -205,20 +205,10 @@ def test_tls_and_a_token_with_rays_own_client(
         "JOBS_SERVER_TLS_KEY": str(key),
     }
     log_path = tmp_path / "server.log"
-    with log_path.open("wb") as log:
-        server = subprocess.Popen(
-            [JOBS_SERVER, "serve"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    server = start_jobs_server([], log_path, env)
     url = f"https://127.0.0.1:{port}"
     try:
-        wait_until(
-            lambda: is_healthy(url, str(cert)) or server.poll() is not None, 60, "the TLS server"
-        )
-        assert server.poll() is None, log_path.read_text()
+        wait_for_server(url, server, log_path, verify=str(cert))
         with pytest.raises(requests.exceptions.SSLError):
             requests.get(f"{url}/api/healthz", timeout=5)  # an unknown CA is refused
         client_script = (
@@ -230,26 +220,22 @@ def test_tls_and_a_token_with_rays_own_client(
         )
         client_env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": TOKEN}
         client_env.pop("RAY_ADDRESS", None)
-        result = subprocess.run(
-            [sys.executable, "-c", client_script, url, str(cert)],
-            env=client_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+
+        def run_client(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-c", client_script, url, str(cert)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+
+        result = run_client(client_env)
         assert result.returncode == 0, result.stderr
         job_id = result.stdout.split()[0]
         assert job_id in result.stdout.split(" ", 1)[1]
-        wrong_env = {**client_env, "RAY_AUTH_TOKEN": "not-it"}
-        refused = subprocess.run(
-            [sys.executable, "-c", client_script, url, str(cert)],
-            env=wrong_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        refused = run_client({**client_env, "RAY_AUTH_TOKEN": "not-it"})
         assert refused.returncode != 0
         assert "403" in refused.stderr or "Authentication failed" in refused.stderr
     finally:
