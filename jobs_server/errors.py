@@ -2,7 +2,8 @@
 
 JobsServerError
 ├── InvalidRequestError        the request is malformed or fails validation
-│   ├── InvalidRuntimeEnvError the runtime_env is rejected by Ray
+│   ├── InvalidRuntimeEnvError the runtime_env is rejected by Ray, or names a missing package
+│   ├── InvalidPackageError    an uploaded package that is not a zip
 │   └── InvalidJobOptionsError Ray rejects the job's resources or options
 ├── JobNotFoundError           no job with that id
 ├── PackageNotFoundError       no uploaded package with that URI
@@ -40,6 +41,10 @@ class InvalidRequestError(JobsServerError):
 
 class InvalidRuntimeEnvError(InvalidRequestError):
     code = "invalid_runtime_env"
+
+
+class InvalidPackageError(InvalidRequestError):
+    code = "invalid_package"
 
 
 class InvalidJobOptionsError(InvalidRequestError):

@@ -64,10 +64,41 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+# Credentials of the S3-compatible test server (moto accepts any).
+S3_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A Ray head node of its own, in its own process group; yields its GCS address."""
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-compatible server (moto) on a loopback port, in a thread of this process."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterator[str]:
+    """A Ray head node of its own, in its own process group; yields its GCS address.
+
+    Ray's runtime-env agent downloads `s3://` packages with the AWS variables of the node's
+    environment, as on a real cluster: here they point at the test's S3 server.
+    """
     port = free_port(RAY_NODE_IP)
+    s3_environment = {
+        **S3_CREDENTIALS,
+        "AWS_ENDPOINT_URL": s3_endpoint,
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     log = (tmp_path_factory.mktemp("ray") / "ray-start.log").open("wb")
     process = subprocess.Popen(
         [
@@ -81,6 +112,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             "--disable-usage-stats",
             "--num-cpus=4",
         ],
+        env={**os.environ, **s3_environment},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -172,18 +172,6 @@ async def test_unschedulable_job_fails_after_the_start_timeout(
     assert not supervisor_actor_exists(settings, job_id)
 
 
-async def test_runtime_env_that_cannot_be_set_up_fails_the_job(client: Client) -> None:
-    job_id = await submit(
-        client,
-        entrypoint="echo never",
-        runtime_env={"working_dir": "gcs://_ray_pkg_00000000deadbeef.zip"},
-    )
-    job = await wait_for_status(client, job_id, timeout_s=120)
-    assert job["status"] == "FAILED"
-    assert job["error_type"] == "RUNTIME_ENV_SETUP_FAILURE"
-    assert "_ray_pkg_00000000deadbeef.zip" in job["message"]
-
-
 async def test_job_over_its_deadline_is_stopped_and_failed(client: Client) -> None:
     job_id = await submit(client, entrypoint="echo started; sleep 60", timeout_s=1)
     job = await wait_for_status(client, job_id, timeout_s=30)

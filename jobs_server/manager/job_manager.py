@@ -25,10 +25,14 @@ from jobs_server.errors import (
     InvalidRuntimeEnvError,
     JobNotFoundError,
     JobNotTerminalError,
+    PackageNotFoundError,
 )
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
+from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
+from jobs_server.manager.runtime_env_failures import describe_setup_failure
+from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor import SupervisedJob
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -75,6 +79,7 @@ class JobManager:
         self._stop_grace_s = stop_grace_s
         self._job_start_timeout_s = job_start_timeout_s
         self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
+        self._packages = PackageLookup(gcs_address)
         self._supervisors = Supervisors(
             namespace=namespace, kv_namespace=namespace, shared_count=shared_supervisors
         )
@@ -129,7 +134,7 @@ class JobManager:
 
     async def submit_job(self, spec: JobSpec) -> JobRecord:
         """Record the job and hand it to a supervisor; return at once, the job PENDING."""
-        _validate_runtime_env(spec.runtime_env)
+        await _validate_runtime_env(spec.runtime_env, self._packages)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
         return await asyncio.shield(self._record_and_hand_over(spec))
@@ -293,7 +298,9 @@ class JobManager:
             message = str(error)
         except RuntimeEnvSetupError as error:
             error_type = JobErrorType.RUNTIME_ENV_SETUP_FAILURE
-            message = f"Runtime env setup failed: {error}"
+            # Ray's text is the agent's whole traceback; the status says what and why.
+            logger.info("job %s: Ray's runtime env error: %s", submission_id, error)
+            message = describe_setup_failure(str(error), record.spec.runtime_env)
         except ActorUnschedulableError as error:
             error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE
             message = f"The job cannot be scheduled: {error}"
@@ -361,11 +368,22 @@ class JobStartTimeoutError(Exception):
     """The job's supervisor did not start its command within the start timeout."""
 
 
-def _validate_runtime_env(runtime_env: dict[str, Any]) -> None:
+async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:
+    """A 400 for what Ray would reject, and for code packages no node could fetch."""
+    refs = package_refs(runtime_env)
     try:
         RuntimeEnv(**runtime_env)
     except Exception as error:  # Ray raises ValueError, TypeError or its own errors
         raise InvalidRuntimeEnvError(f"Invalid runtime_env: {error}") from error
+    for ref in refs:
+        if ref.is_uploaded:
+            try:
+                await packages.ensure_exists(ref.uri)
+            except PackageNotFoundError:
+                raise InvalidRuntimeEnvError(
+                    f"runtime_env.{ref.field}: package {ref.uri} was never uploaded to this "
+                    "cluster, or has expired (Ray's clients upload a local directory first)."
+                ) from None
 
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
