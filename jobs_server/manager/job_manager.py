@@ -15,7 +15,12 @@ from typing import Any
 
 import ray
 from ray import cloudpickle
-from ray.exceptions import ActorDiedError, ActorUnschedulableError, RuntimeEnvSetupError
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    RuntimeEnvSetupError,
+)
 from ray.runtime_env import RuntimeEnv
 
 import jobs_server
@@ -27,7 +32,9 @@ from jobs_server.errors import (
     JobNotTerminalError,
     PackageNotFoundError,
 )
+from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
 from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.log_shipping import pull_spooled_log
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
@@ -44,6 +51,10 @@ logger = logging.getLogger(__name__)
 cloudpickle.register_pickle_by_value(jobs_server)
 
 SUBMISSION_ID_PREFIX = "raysubmit_"
+# How long a finished job's watcher waits for the last pull of its log from another node.
+LOG_PULL_FINISH_S = 10.0
+# How often a supervisor that cannot be reached is asked again, until Ray says it is dead.
+SUPERVISOR_UNAVAILABLE_RETRY_S = 1.0
 _SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -80,9 +91,15 @@ class JobManager:
         self._job_start_timeout_s = job_start_timeout_s
         self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
         self._packages = PackageLookup(gcs_address)
+        # The server's node: its log directory is where every job's log ends up.
+        self._head_node_id: str = ray.get_runtime_context().get_node_id()
         self._supervisors = Supervisors(
-            namespace=namespace, kv_namespace=namespace, shared_count=shared_supervisors
+            namespace=namespace,
+            kv_namespace=namespace,
+            shared_count=shared_supervisors,
+            head_node_id=self._head_node_id,
         )
+        self._cluster_resources = ClusterResources()
         self._watchers: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
@@ -157,7 +174,7 @@ class JobManager:
         return record
 
     async def get_job(self, submission_id: str) -> JobRecord:
-        return await self._store.get(submission_id)
+        return await self._with_wait_message(await self._store.get(submission_id))
 
     async def list_jobs(
         self,
@@ -179,10 +196,12 @@ class JobManager:
             records = records[position + 1 :]
         if statuses is not None:
             records = [record for record in records if record.status in statuses]
-        if limit is None or len(records) <= limit:
-            return JobPage(records=records, next_after=None)
-        page = records[:limit]
-        return JobPage(records=page, next_after=page[-1].submission_id)
+        next_after = None
+        if limit is not None and len(records) > limit:
+            records = records[:limit]
+            next_after = records[-1].submission_id
+        records = [await self._with_wait_message(record) for record in records]
+        return JobPage(records=records, next_after=next_after)
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         """Ask a job to stop; return False if it had already ended."""
@@ -263,6 +282,7 @@ class JobManager:
             metadata=spec.metadata,
             stop_grace_s=self._stop_grace_s,
             timeout_s=spec.timeout_s,
+            head_node_id=self._head_node_id,
         ).model_dump(mode="json")
 
     def _watch(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
@@ -272,45 +292,55 @@ class JobManager:
         task.add_done_callback(lambda _: self._watchers.pop(submission_id, None))
 
     async def _watch_supervisor(self, record: JobRecord, supervisor: Any, finished: Any) -> None:
-        """Wait for the job to end; record the failures its supervisor cannot report."""
+        """Wait for the job to end, pulling its log if it runs on another node; record the
+        failures its supervisor cannot report."""
         submission_id = record.submission_id
         name = record.supervisor_name or ""
         error_type: JobErrorType | None = None
         message = ""
+        log_pull: asyncio.Task[None] | None = None
         try:
             try:
-                if record.status is JobStatus.PENDING:
-                    await self._wait_until_started(record, supervisor)
-                await finished
-            except ActorDiedError:
-                if is_dedicated(name) or not await self._never_started(submission_id):
-                    raise
-                # A warm supervisor that died before anyone noticed: the job never started,
-                # so it runs on the replacement instead of failing.
-                logger.info("job %s reached a dead shared supervisor; retrying", submission_id)
-                self._supervisors.forget(name)
-                supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
-                finished = supervisor.run_job.remote(self._supervised_job(record.spec))
-                await self._wait_until_started(record, supervisor)
-                await finished
-        except JobStartTimeoutError as error:
-            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT
-            message = str(error)
-        except RuntimeEnvSetupError as error:
-            error_type = JobErrorType.RUNTIME_ENV_SETUP_FAILURE
-            # Ray's text is the agent's whole traceback; the status says what and why.
-            logger.info("job %s: Ray's runtime env error: %s", submission_id, error)
-            message = describe_setup_failure(str(error), record.spec.runtime_env)
-        except ActorUnschedulableError as error:
-            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE
-            message = f"The job cannot be scheduled: {error}"
-        except ActorDiedError as error:
-            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
-            message = f"The job's supervisor died: {_first_line(error)}"
-        except Exception as error:
-            logger.exception("watching job %s failed", submission_id)
-            error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE
-            message = f"The job's supervisor failed: {_first_line(error)}"
+                try:
+                    log_pull = await self._wait_until_started(record, supervisor)
+                    await self._wait_for_end(submission_id, supervisor, finished)
+                except ActorDiedError:
+                    if is_dedicated(name) or not await self._never_started(submission_id):
+                        raise
+                    # A warm supervisor that died before anyone noticed: the job never started,
+                    # so it runs on the replacement instead of failing.
+                    logger.info("job %s reached a dead shared supervisor; retrying", submission_id)
+                    self._supervisors.forget(name)
+                    supervisor = await asyncio.to_thread(
+                        self._supervisors.create, name, record.spec
+                    )
+                    finished = supervisor.run_job.remote(self._supervised_job(record.spec))
+                    log_pull = await self._wait_until_started(record, supervisor)
+                    await self._wait_for_end(submission_id, supervisor, finished)
+            except JobStartTimeoutError as error:
+                error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT
+                message = str(error)
+            except RuntimeEnvSetupError as error:
+                error_type = JobErrorType.RUNTIME_ENV_SETUP_FAILURE
+                # Ray's text is the agent's whole traceback; the status says what and why.
+                logger.info("job %s: Ray's runtime env error: %s", submission_id, error)
+                message = describe_setup_failure(str(error), record.spec.runtime_env)
+            except ActorUnschedulableError as error:
+                error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE
+                message = f"The job cannot be scheduled: {error}"
+            except ActorDiedError as error:
+                error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
+                message = await self._supervisor_died_message(submission_id, error)
+            except Exception as error:
+                logger.exception("watching job %s failed", submission_id)
+                error_type = JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE
+                message = f"The job's supervisor failed: {_first_line(error)}"
+            if log_pull is not None:
+                # Every byte pulled is on the head before anyone sees the job end.
+                await asyncio.wait({log_pull}, timeout=LOG_PULL_FINISH_S)
+        finally:
+            if log_pull is not None:
+                log_pull.cancel()
         if error_type is not None:
             logger.warning("job %s failed: %s", submission_id, message)
             with contextlib.suppress(JobNotFoundError):
@@ -326,42 +356,94 @@ class JobManager:
             with contextlib.suppress(Exception):
                 await supervisor.stop_job.remote(submission_id, 0)
 
+    async def _wait_for_end(self, submission_id: str, supervisor: Any, finished: Any) -> None:
+        """Await `finished`; while the supervisor cannot be reached (its node may be going),
+        ask again until Ray knows it is alive (the job goes on) or dead (ActorDiedError)."""
+        while True:
+            try:
+                await finished
+                return
+            except ActorUnavailableError:
+                await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+                finished = supervisor.wait_job.remote(submission_id)
+
+    async def _pull_log(self, submission_id: str, supervisor: Any) -> None:
+        """Bring the log of a job on another node to the head, until all of it is here or its
+        supervisor is gone (with its node: what was pulled until then stays)."""
+
+        async def read_chunk(offset: int) -> tuple[bytes, bool]:
+            while True:
+                try:
+                    data, complete = await supervisor.read_spooled_log.remote(submission_id, offset)
+                    return data, complete
+                except ActorUnavailableError:
+                    await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+
+        try:
+            await pull_spooled_log(read_chunk, job_log_path(self._log_dir, submission_id))
+        except ActorDiedError as error:
+            logger.warning(
+                "pulling the log of job %s stopped: %s", submission_id, _first_line(error)
+            )
+
+    async def _supervisor_died_message(self, submission_id: str, error: ActorDiedError) -> str:
+        """Name the lost node when the supervisor died with it, else say what Ray says."""
+        with contextlib.suppress(JobNotFoundError):
+            record = await self._store.get(submission_id)
+            if record.driver_node_id and not await asyncio.to_thread(
+                node_is_alive, record.driver_node_id
+            ):
+                return (
+                    f"The node the job ran on was lost (node id {record.driver_node_id}, "
+                    f"address {record.driver_node_ip}); the job's processes ended with it. "
+                    "Its output until then is in the log."
+                )
+        return f"The job's supervisor died: {_first_line(error)}"
+
     async def _never_started(self, submission_id: str) -> bool:
         try:
             return (await self._store.get(submission_id)).status is JobStatus.PENDING
         except JobNotFoundError:
             return False
 
-    async def _wait_until_started(self, record: JobRecord, supervisor: Any) -> None:
-        """Wait for the command to start, at most what is left of the start timeout."""
-        waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
-        remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
-        try:
-            await asyncio.wait_for(
-                supervisor.wait_started.remote(record.submission_id), timeout=remaining_s
-            )
-        except TimeoutError:
-            message = await self._start_timeout_message(record.spec)
-            raise JobStartTimeoutError(message) from None
+    async def _wait_until_started(
+        self, record: JobRecord, supervisor: Any
+    ) -> asyncio.Task[None] | None:
+        """Wait for the command to start, at most what is left of the start timeout; return the
+        task pulling its log if it runs on another node."""
+        started = supervisor.wait_started.remote(record.submission_id)
+        if record.status is JobStatus.PENDING:
+            waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
+            remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
+            try:
+                log_is_spooled = await asyncio.wait_for(started, timeout=remaining_s)
+            except TimeoutError:
+                message = await self._start_timeout_message(record.spec)
+                raise JobStartTimeoutError(message) from None
+        else:
+            log_is_spooled = await started
+        if not log_is_spooled:
+            return None
+        return asyncio.create_task(self._pull_log(record.submission_id, supervisor))
 
     async def _start_timeout_message(self, spec: JobSpec) -> str:
         message = f"The job did not start within {self._job_start_timeout_s:g} s."
         requested = spec.requested_resources()
-        if requested:
-            available = await asyncio.to_thread(ray.cluster_resources)
-            missing = {
-                name: amount
-                for name, amount in requested.items()
-                if available.get(name, 0.0) < amount
-            }
-            if missing:
-                message += f" No node has the resources it asks for: missing {missing}"
-                message += f" (requested {requested})."
-            else:
-                message += f" The resources it asks for ({requested}) stayed in use."
+        waiting_for = await self._cluster_resources.describe_wait(requested)
+        if waiting_for is not None:
+            message += " " + waiting_for.replace("Waiting for", "It waited for", 1)
+        elif requested:
+            message += f" The resources it asks for ({requested}) were free at the end."
         if spec.runtime_env:
             message += " Its runtime env may still have been setting up."
         return message
+
+    async def _with_wait_message(self, record: JobRecord) -> JobRecord:
+        """A pending job that waits for resources says which, and what the cluster has."""
+        if record.status is not JobStatus.PENDING:
+            return record
+        waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
+        return record if waiting_for is None else record.with_changes(message=waiting_for)
 
 
 class JobStartTimeoutError(Exception):

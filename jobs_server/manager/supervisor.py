@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
 from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
     JOB_TOKEN_ENV_VAR,
@@ -60,6 +61,9 @@ class SupervisedJob(BaseModel):
     metadata: dict[str, str]
     stop_grace_s: float
     timeout_s: float | None = None
+    head_node_id: str | None = None
+    """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
+    log on its own node for the server to pull. None: this node."""
 
 
 @dataclass
@@ -67,7 +71,11 @@ class _JobRun:
     """One job in this supervisor: its task and the events the manager can wait for or set."""
 
     job: SupervisedJob
+    log_path: Path
+    """Where the command writes: the server's log file, or this node's spool of it."""
     started: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    log_drained: asyncio.Event = field(default_factory=asyncio.Event)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     stop_grace_s: float = 0.0
     task: asyncio.Task[JobStatus] | None = None
@@ -80,6 +88,11 @@ class JobSupervisor:
     def __init__(self, kv_namespace: str) -> None:
         self._kv_namespace = kv_namespace
         self._runs: dict[str, _JobRun] = {}
+        # Spooled logs the server has not pulled to the end yet, by submission id.
+        self._spools: dict[str, Path] = {}
+        # Jobs someone waits for that `run_job` has not brought yet: an async actor need not
+        # run one caller's calls in the order they were made.
+        self._arrivals: dict[str, asyncio.Event] = {}
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
         self._store: JobStore | None = None
@@ -102,10 +115,13 @@ class JobSupervisor:
         job = SupervisedJob.model_validate(job_fields)
         run = self._runs.get(job.submission_id)
         if run is None:
-            run = _JobRun(job=job, stop_grace_s=job.stop_grace_s)
+            run = _JobRun(job=job, log_path=self._log_path_here(job), stop_grace_s=job.stop_grace_s)
             self._runs[job.submission_id] = run
             run.task = asyncio.create_task(self._run(run))
             run.task.add_done_callback(lambda _: self._runs.pop(job.submission_id, None))
+            arrival = self._arrivals.pop(job.submission_id, None)
+            if arrival is not None:
+                arrival.set()
         assert run.task is not None
         # A caller that goes away (a restarting server) must not cancel the job itself.
         return await asyncio.shield(run.task)
@@ -117,11 +133,33 @@ class JobSupervisor:
             return await asyncio.shield(run.task)
         return (await self._job_store().get(submission_id)).status
 
-    async def wait_started(self, submission_id: str) -> None:
-        """Return once the job's command has started, or the job ended without starting."""
+    async def wait_started(self, submission_id: str) -> bool:
+        """Return once the job's command has started, or the job ended without starting; True if
+        its log is spooled here for the server to pull (`read_spooled_log`)."""
         run = self._runs.get(submission_id)
+        if run is None and (await self._job_store().get(submission_id)).status is JobStatus.PENDING:
+            await self._arrivals.setdefault(submission_id, asyncio.Event()).wait()
+            run = self._runs.get(submission_id)
         if run is not None:
             await run.started.wait()
+        return submission_id in self._spools
+
+    async def read_spooled_log(self, submission_id: str, offset: int) -> tuple[bytes, bool]:
+        """The job's spooled log from `offset` (waiting a while for new bytes), and whether that
+        was all of it; once it was, the spool is deleted and the job may record its end."""
+        spool = self._spools.get(submission_id)
+        if spool is None:
+            return b"", True
+        run = self._runs.get(submission_id)
+        data, complete = await read_spool_chunk(
+            spool, offset, lambda: run is None or run.exited.is_set()
+        )
+        if complete:
+            del self._spools[submission_id]
+            spool.unlink(missing_ok=True)
+            if run is not None:
+                run.log_drained.set()
+        return data, complete
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         """Ask a job to stop: SIGTERM now, SIGKILL after the grace period."""
@@ -132,6 +170,12 @@ class JobSupervisor:
             run.stop_grace_s = grace_period_s
         run.stop_requested.set()
         return True
+
+    def _log_path_here(self, job: SupervisedJob) -> Path:
+        """The server's log file if it is on this node, else a spool file of this node's."""
+        if job.head_node_id in (None, ray.get_runtime_context().get_node_id()):
+            return job.log_path
+        return spool_path(self._kv_namespace, job.log_path.name)
 
     def _job_store(self) -> JobStore:
         if self._store is None:
@@ -155,12 +199,15 @@ class JobSupervisor:
         self._ensure_guardian()
         job_token = secrets.token_hex(16)
         self._starting += 1
+        if run.log_path != job.log_path:
+            self._spools[job.submission_id] = run.log_path
         try:
             process = await start_entrypoint(
-                job.entrypoint, log_path=job.log_path, env=self._driver_env(job, job_token)
+                job.entrypoint, log_path=run.log_path, env=self._driver_env(job, job_token)
             )
             run.pid = process.pid
         except OSError as error:
+            self._spools.pop(job.submission_id, None)
             failed = await store.update(
                 job.submission_id,
                 status=JobStatus.FAILED,
@@ -188,6 +235,7 @@ class JobSupervisor:
                     grace_period_s=0,
                     other_roots=self._other_roots(run),
                 )
+                run.exited.set()
                 return record.status
             return (await self._wait_for_end(run, process, job_token)).status
         finally:
@@ -212,7 +260,7 @@ class JobSupervisor:
     async def _wait_for_end(
         self, run: _JobRun, process: asyncio.subprocess.Process, job_token: str
     ) -> JobRecord:
-        store, job = self._job_store(), run.job
+        job = run.job
         exited = asyncio.ensure_future(process.wait())
         stop_requested = asyncio.ensure_future(run.stop_requested.wait())
         await asyncio.wait(
@@ -220,7 +268,7 @@ class JobSupervisor:
         )
         stop_requested.cancel()
         if exited.done():
-            return await self._record_exit(store, job, exited.result())
+            return await self._record_exit(run, exited.result())
         exit_code = await stop_job_processes(
             process,
             job_token=job_token,
@@ -228,35 +276,50 @@ class JobSupervisor:
             other_roots=self._other_roots(run),
         )
         if run.stop_requested.is_set():
-            return await store.update(
-                job.submission_id,
+            return await self._record_end(
+                run,
                 status=JobStatus.STOPPED,
                 message="Job was intentionally stopped.",
                 driver_exit_code=exit_code,
             )
-        return await store.update(
-            job.submission_id,
+        return await self._record_end(
+            run,
             status=JobStatus.FAILED,
             error_type=JOB_TIMEOUT_ERROR_TYPE,
             message=f"Job exceeded its timeout of {job.timeout_s:g} s and was stopped.",
             driver_exit_code=exit_code,
         )
 
-    async def _record_exit(self, store: JobStore, job: SupervisedJob, exit_code: int) -> JobRecord:
+    async def _record_exit(self, run: _JobRun, exit_code: int) -> JobRecord:
         if exit_code == 0:
-            return await store.update(
-                job.submission_id,
+            return await self._record_end(
+                run,
                 status=JobStatus.SUCCEEDED,
                 message="Job finished successfully.",
                 driver_exit_code=0,
             )
-        return await store.update(
-            job.submission_id,
+        return await self._record_end(
+            run,
             status=JobStatus.FAILED,
             error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,
-            message=_failure_message(exit_code, read_log_tail(job.log_path)),
+            message=_failure_message(exit_code, read_log_tail(run.log_path)),
             driver_exit_code=exit_code,
         )
+
+    async def _record_end(self, run: _JobRun, **changes: Any) -> JobRecord:
+        """Write the job's terminal status, once the server has pulled a spooled log to its end:
+        whoever sees the job end finds its whole log on the head node."""
+        run.exited.set()
+        if run.job.submission_id in self._spools:
+            try:
+                await asyncio.wait_for(run.log_drained.wait(), timeout=LOG_DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning(
+                    "the server did not pull the log of job %s; it stays in %s",
+                    run.job.submission_id,
+                    run.log_path,
+                )
+        return await self._job_store().update(run.job.submission_id, **changes)
 
     def _driver_env(self, job: SupervisedJob, job_token: str) -> dict[str, str]:
         env = dict(os.environ)

@@ -4,6 +4,9 @@ A shared supervisor is created when the server starts and lives on between jobs,
 needs no runtime env or resources of its own starts without waiting for a Ray worker process. A
 job with a runtime env (working_dir, pip, ...) or resources gets a dedicated supervisor whose
 actor carries them, killed when the job ends.
+
+As in Ray's server, a job that asks for no resources runs on the head node (the server's); one
+that does may run on whichever node has them, and its log is pulled to the head.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs_server.manager.records import JobSpec
 from jobs_server.manager.supervisor import JobSupervisor
@@ -45,8 +49,11 @@ def is_dedicated(supervisor_name: str) -> bool:
 class Supervisors:
     """Creates and finds supervisor actors by name, in the server's namespace."""
 
-    def __init__(self, *, namespace: str, kv_namespace: str, shared_count: int) -> None:
+    def __init__(
+        self, *, namespace: str, kv_namespace: str, shared_count: int, head_node_id: str
+    ) -> None:
         self._namespace = namespace
+        self._on_head_node = NodeAffinitySchedulingStrategy(node_id=head_node_id, soft=False)
         self._kv_namespace = kv_namespace
         self._shared_names = [f"{_SHARED_NAME_PREFIX}{index}" for index in range(shared_count)]
         self._shared_handles: dict[str, Any] = {}
@@ -84,6 +91,8 @@ class Supervisors:
             options["resources"] = spec.entrypoint_resources
         if spec.entrypoint_label_selector:
             options["label_selector"] = spec.entrypoint_label_selector
+        if not spec.requested_resources() and not spec.entrypoint_label_selector:
+            options["scheduling_strategy"] = self._on_head_node
         return ray.remote(JobSupervisor).options(**options).remote(self._kv_namespace)
 
     def find(self, name: str) -> Any | None:
@@ -128,6 +137,7 @@ class Supervisors:
                     get_if_exists=True,
                     max_restarts=0,
                     num_cpus=0,
+                    scheduling_strategy=self._on_head_node,
                 )
                 .remote(self._kv_namespace)
             )

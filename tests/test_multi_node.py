@@ -1,0 +1,398 @@
+"""A cluster of several nodes on this machine: jobs run where their resources are, and every
+job's log ends up in the server's log directory on the head, also when its node is lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+import pytest
+
+from tests.conftest import (
+    RAY_BIN,
+    TERMINAL_STATUSES,
+    free_port,
+    start_jobs_server,
+    stop_process_group,
+    wait_for_server,
+    wait_until,
+)
+from tests.test_logs import parse_sse
+
+# Addresses of their own, so this cluster never meets the session's (127.0.0.2).
+HEAD_IP = "127.0.0.21"
+WORKER_IP = "127.0.0.22"
+DOOMED_WORKER_IP = "127.0.0.23"
+WORKER_RESOURCE = "worker_only"
+WORKER_RESOURCE_AMOUNT = 2
+
+
+@dataclass(frozen=True)
+class RayNode:
+    process: subprocess.Popen[bytes]
+    ip: str
+    log_path: Path
+
+    def wait_until_started(self) -> None:
+        wait_until(
+            lambda: (
+                "Ray runtime started" in self.log_path.read_text(errors="replace")
+                or self.process.poll() is not None
+            ),
+            90,
+            f"the Ray node on {self.ip}",
+        )
+        assert self.process.poll() is None, self.log_path.read_text(errors="replace")
+
+    def raylet(self) -> psutil.Process:
+        raylets = [
+            child
+            for child in psutil.Process(self.process.pid).children(recursive=True)
+            if child.name() == "raylet"
+        ]
+        assert len(raylets) == 1, raylets
+        return raylets[0]
+
+
+def start_ray_node(args: list[str], ip: str, log_path: Path) -> RayNode:
+    """`ray start --block ARGS` in a process group of its own."""
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [
+                str(RAY_BIN),
+                "start",
+                "--block",
+                f"--node-ip-address={ip}",
+                "--disable-usage-stats",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return RayNode(process, ip, log_path)
+
+
+@dataclass(frozen=True)
+class MultiNodeCluster:
+    gcs_address: str
+    tmp_dir: Path
+    worker_temp_dirs: list[str] = field(default_factory=list)
+
+    def add_worker(self, ip: str, resources: dict[str, float]) -> RayNode:
+        """A worker node with a Ray temp dir of its own (as on another machine), started."""
+        # Short: Ray's socket paths under it must fit in 107 bytes.
+        temp_dir = tempfile.mkdtemp(prefix="jsw", dir="/tmp")
+        node = start_ray_node(
+            [
+                f"--address={self.gcs_address}",
+                "--num-cpus=1",
+                f"--resources={json.dumps(resources)}",
+                f"--temp-dir={temp_dir}",
+            ],
+            ip,
+            self.tmp_dir / f"worker-{ip}-{Path(temp_dir).name}.log",
+        )
+        self.worker_temp_dirs.append(temp_dir)
+        node.wait_until_started()
+        return node
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeCluster]:
+    """A head node and one worker node that alone has the `worker_only` resource."""
+    tmp_dir = tmp_path_factory.mktemp("multi_node")
+    port = free_port(HEAD_IP)
+    head = start_ray_node(
+        ["--head", f"--port={port}", "--include-dashboard=false", "--num-cpus=1"],
+        HEAD_IP,
+        tmp_dir / "head.log",
+    )
+    multi_node = MultiNodeCluster(f"{HEAD_IP}:{port}", tmp_dir)
+    worker: RayNode | None = None
+    try:
+        wait_until(lambda: _accepts(HEAD_IP, port), 60, "the head node")
+        worker = multi_node.add_worker(WORKER_IP, {WORKER_RESOURCE: WORKER_RESOURCE_AMOUNT})
+        yield multi_node
+    finally:
+        if worker is not None:
+            stop_process_group(worker.process)
+        stop_process_group(head.process)
+        for temp_dir in multi_node.worker_temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _accepts(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+@dataclass(frozen=True)
+class Server:
+    url: str
+    log_dir: Path
+    namespace: str
+
+    def spool_path(self, job_id: str) -> Path:
+        """Where a supervisor on a worker node of this machine spools the job's log."""
+        return (
+            Path(tempfile.gettempdir())
+            / "jobs_server_spool"
+            / self.namespace
+            / f"job-driver-{job_id}.log"
+        )
+
+
+@pytest.fixture(scope="module")
+def server(cluster: MultiNodeCluster) -> Iterator[Server]:
+    """`jobs-server serve` joined to the cluster from its head node."""
+    port = free_port()
+    namespace = f"test_multi_node_{uuid.uuid4().hex[:8]}"
+    log_dir = cluster.tmp_dir / "head_logs"
+    log_path = cluster.tmp_dir / "server.log"
+    process = start_jobs_server(
+        [
+            "--port",
+            str(port),
+            "--ray-address",
+            cluster.gcs_address,
+            "--log-dir",
+            str(log_dir),
+            "--namespace",
+            namespace,
+            "--stop-grace-s",
+            "1",
+        ],
+        log_path,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, process, log_path, timeout_s=90)
+        yield Server(url, log_dir, namespace)
+    finally:
+        stop_process_group(process)
+
+
+@pytest.fixture
+async def http(server: Server) -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(base_url=server.url) as session:
+        yield session
+
+
+async def submit(http: aiohttp.ClientSession, **body: Any) -> str:
+    async with http.post("/api/jobs/", json=body) as response:
+        assert response.status == 200, await response.text()
+        return str((await response.json())["submission_id"])
+
+
+async def get_job(http: aiohttp.ClientSession, job_id: str) -> dict[str, Any]:
+    async with http.get(f"/api/jobs/{job_id}") as response:
+        assert response.status == 200, await response.text()
+        job: dict[str, Any] = await response.json()
+        return job
+
+
+async def wait_for_job(
+    http: aiohttp.ClientSession,
+    job_id: str,
+    statuses: set[str] = TERMINAL_STATUSES,
+    timeout_s: float = 120,
+    message_part: str = "",
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout_s
+    job: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        job = await get_job(http, job_id)
+        if job["status"] in statuses and message_part in (job["message"] or ""):
+            return job
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"job {job_id} is still {job.get('status')} after {timeout_s} s: {job}")
+
+
+async def read_all_logs(http: aiohttp.ClientSession, job_id: str) -> str:
+    async with http.get(f"/api/jobs/{job_id}/logs") as response:
+        assert response.status == 200
+        return str((await response.json())["logs"])
+
+
+async def follow_text(http: aiohttp.ClientSession, job_id: str) -> str:
+    async with http.get(f"/api/jobs/{job_id}/logs?follow=true") as response:
+        assert response.status == 200
+        return (await response.read()).decode()
+
+
+async def follow_sse(http: aiohttp.ClientSession, job_id: str) -> str:
+    async with http.get(f"/api/jobs/{job_id}/logs/stream") as response:
+        assert response.status == 200
+        events = parse_sse((await response.read()).decode())
+    return "".join(json.loads(event["data"]) for event in events if "event" not in event)
+
+
+async def follow_until(http: aiohttp.ClientSession, job_id: str, last_line: str) -> str:
+    """Follow the log until it ends with `last_line` (the job runs on)."""
+    text = ""
+    async with http.ws_connect(f"/api/jobs/{job_id}/logs/tail") as websocket:
+        async for message in websocket:
+            text += message.data
+            if text.endswith(last_line):
+                return text
+    raise AssertionError(f"the log ended without {last_line!r}: {text[-200:]!r}")
+
+
+async def follow_websocket(http: aiohttp.ClientSession, job_id: str) -> str:
+    async with http.ws_connect(f"/api/jobs/{job_id}/logs/tail") as websocket:
+        return "".join([message.data async for message in websocket])
+
+
+BURST_LINES = 400_000  # 15 bytes each: 6 MB written as fast as Python can
+SLOW_LINES = 5
+
+# A burst of many MB, then lines a while apart: followers read both as the job writes them.
+BURST_THEN_SLOW = (
+    "python -c 'import sys, time\n"
+    f'sys.stdout.writelines(f"burst {{i:08d}}\\n" for i in range({BURST_LINES}))\n'
+    "sys.stdout.flush()\n"
+    f"for i in range({SLOW_LINES}):\n"
+    '    print(f"slow {i}", flush=True)\n'
+    "    time.sleep(0.3)\n'"
+)
+BURST_THEN_SLOW_OUTPUT = "".join(f"burst {i:08d}\n" for i in range(BURST_LINES)) + "".join(
+    f"slow {i}\n" for i in range(SLOW_LINES)
+)
+
+
+async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_head(
+    http: aiohttp.ClientSession, server: Server
+) -> None:
+    job_id = await submit(
+        http, entrypoint=BURST_THEN_SLOW, entrypoint_resources={WORKER_RESOURCE: 1}
+    )
+    # Every way of following the log, from before the job starts to its end.
+    followers = [
+        asyncio.ensure_future(follow(http, job_id))
+        for follow in (follow_text, follow_sse, follow_websocket)
+    ]
+    running = await wait_for_job(http, job_id, {"RUNNING", *TERMINAL_STATUSES})
+    assert running["status"] == "RUNNING"  # for 1.5 s at least: its slow lines
+    assert running["driver_info"]["node_ip_address"] == WORKER_IP
+    # The worker writes to a spool on its own disk; only the server writes the head's file.
+    assert server.spool_path(job_id).exists()
+    job = await wait_for_job(http, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    assert job["driver_info"]["node_ip_address"] == WORKER_IP
+    assert job["driver_node_id"] == running["driver_node_id"]
+    for followed in await asyncio.gather(*followers):
+        assert followed == BURST_THEN_SLOW_OUTPUT
+    assert await read_all_logs(http, job_id) == BURST_THEN_SLOW_OUTPUT
+    head_log = server.log_dir / f"job-driver-{job_id}.log"
+    assert head_log.read_text() == BURST_THEN_SLOW_OUTPUT
+    assert not server.spool_path(job_id).exists()  # pulled to the end, then removed
+
+
+async def test_jobs_without_resources_stay_on_the_head_node(http: aiohttp.ClientSession) -> None:
+    shared = await submit(http, entrypoint="echo shared")
+    # A runtime env of its own gives the job its own supervisor; without resources it too
+    # runs on the head.
+    dedicated = await submit(
+        http, entrypoint="echo dedicated", runtime_env={"config": {"setup_timeout_seconds": 60}}
+    )
+    for job_id, output in ((shared, "shared\n"), (dedicated, "dedicated\n")):
+        job = await wait_for_job(http, job_id)
+        assert job["status"] == "SUCCEEDED", job
+        assert job["driver_info"]["node_ip_address"] == HEAD_IP
+        assert await read_all_logs(http, job_id) == output
+
+
+async def test_a_pending_job_says_which_resources_it_waits_for(
+    http: aiohttp.ClientSession,
+) -> None:
+    too_big = await submit(
+        http,
+        entrypoint="echo never",
+        entrypoint_resources={WORKER_RESOURCE: WORKER_RESOURCE_AMOUNT + 1},
+    )
+    holder = await submit(
+        http,
+        entrypoint="sleep 600",
+        entrypoint_resources={WORKER_RESOURCE: WORKER_RESOURCE_AMOUNT},
+    )
+    waiting = await submit(http, entrypoint="echo later", entrypoint_resources={WORKER_RESOURCE: 1})
+    try:
+        await wait_for_job(http, holder, {"RUNNING"})
+        job = await wait_for_job(http, waiting, {"PENDING"}, message_part="(0 free)")
+        assert job["message"] == (
+            f"Waiting for resources: the job asks for {WORKER_RESOURCE} 1; "
+            f"the cluster has {WORKER_RESOURCE} 2 (0 free)."
+        )
+        job = await get_job(http, too_big)
+        assert job["status"] == "PENDING"
+        assert job["message"] == (
+            f"Waiting for resources no node has: the job asks for {WORKER_RESOURCE} 3; the "
+            f"cluster has {WORKER_RESOURCE} 2 (0 free). It starts when a node that has them all "
+            "joins, or fails at its start timeout."
+        )
+    finally:
+        for job_id in (too_big, holder, waiting):
+            async with http.post(f"/api/jobs/{job_id}/stop") as response:
+                assert response.status == 200
+    for job_id in (too_big, waiting):
+        assert (await wait_for_job(http, job_id))["status"] == "STOPPED"
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
+    http: aiohttp.ClientSession, cluster: MultiNodeCluster, server: Server, tmp_path: Path
+) -> None:
+    doomed = cluster.add_worker(DOOMED_WORKER_IP, {"doomed_node": 1})
+    pid_file = tmp_path / "pids"
+    try:
+        entrypoint = (
+            f"{BURST_THEN_SLOW}; echo $$ > {pid_file}; sleep 600 & echo $! >> {pid_file}; "
+            "echo ready; wait"
+        )
+        job_id = await submit(http, entrypoint=entrypoint, entrypoint_resources={"doomed_node": 1})
+        running = await wait_for_job(http, job_id, {"RUNNING"})
+        assert running["driver_info"]["node_ip_address"] == DOOMED_WORKER_IP
+        expected = BURST_THEN_SLOW_OUTPUT + "ready\n"
+        assert await follow_until(http, job_id, "ready\n") == expected
+        wait_until(lambda: len(pid_file.read_text().split()) == 2, 30, "the job's pids")
+        job_pids = [int(pid) for pid in pid_file.read_text().split()]
+        assert all(_is_running(pid) for pid in job_pids)
+
+        doomed.raylet().kill()
+
+        job = await wait_for_job(http, job_id, timeout_s=120)
+        assert job["status"] == "FAILED", job
+        assert job["error_type"] == "JOB_SUPERVISOR_ACTOR_DIED"
+        assert "node the job ran on was lost" in job["message"]
+        assert running["driver_node_id"] in job["message"]
+        wait_until(lambda: not any(map(_is_running, job_pids)), 60, "the job's processes to end")
+        assert await read_all_logs(http, job_id) == expected
+        assert (server.log_dir / f"job-driver-{job_id}.log").read_text() == expected
+    finally:
+        stop_process_group(doomed.process)
+        if pid_file.exists():
+            for pid in pid_file.read_text().split():
+                if _is_running(int(pid)):
+                    os.kill(int(pid), signal.SIGKILL)
