@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,40 @@ def test_the_import_checker_sees_imports(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("import ray.util\nfrom aiohttp import web\n")
     assert imported_modules(sample) == {"ray.util", "aiohttp"}
+
+
+# What a worker node has: the standard library and Ray (`ray[default]` brings pydantic; Ray
+# vendors psutil).
+SUPERVISOR_MAY_IMPORT = {"ray", "pydantic", "psutil"}
+
+
+def _jobs_server_imports(path: Path) -> set[Path]:
+    files = set()
+    for module in imported_modules(path):
+        if _top_level(module) == "jobs_server":
+            candidate = PACKAGE.parent / (module.replace(".", "/") + ".py")
+            package = PACKAGE.parent / module.replace(".", "/") / "__init__.py"
+            files.add(candidate if candidate.exists() else package)
+    return files
+
+
+def test_the_supervisor_needs_nothing_on_a_worker_node_but_ray() -> None:
+    """The supervisor's code travels pickled by value to any node; what it imports must be
+    there already."""
+    seen: set[Path] = set()
+    pending = [PACKAGE / "manager" / "supervisor.py"]
+    third_party: set[str] = set()
+    while pending:
+        path = pending.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        pending.extend(_jobs_server_imports(path))
+        third_party |= {
+            _top_level(module)
+            for module in imported_modules(path)
+            if _top_level(module) not in sys.stdlib_module_names
+            and _top_level(module) not in {"jobs_server", "__future__"}
+        }
+    assert PACKAGE / "manager" / "logs.py" in seen  # the walk follows jobs_server imports
+    assert third_party <= SUPERVISOR_MAY_IMPORT, third_party - SUPERVISOR_MAY_IMPORT

@@ -68,7 +68,27 @@ class RayNode:
         return raylets[0]
 
 
-def start_ray_node(args: list[str], ip: str, log_path: Path) -> RayNode:
+# Worker nodes need nothing but Ray: on them, `import jobs_server` fails, as on a machine where
+# it is not installed; the server ships the supervisor's code itself.
+JOBS_SERVER_IS_NOT_INSTALLED_HERE = """
+import importlib.abc
+import sys
+
+
+class _NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "jobs_server" or name.startswith("jobs_server."):
+            raise ModuleNotFoundError(f"No module named {name!r} on this node", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _NotInstalled())
+"""
+
+
+def start_ray_node(
+    args: list[str], ip: str, log_path: Path, env: dict[str, str] | None = None
+) -> RayNode:
     """`ray start --block ARGS` in a process group of its own."""
     with log_path.open("ab") as log:
         process = subprocess.Popen(
@@ -82,6 +102,7 @@ def start_ray_node(args: list[str], ip: str, log_path: Path) -> RayNode:
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,
         )
     return RayNode(process, ip, log_path)
@@ -97,6 +118,9 @@ class MultiNodeCluster:
         """A worker node with a Ray temp dir of its own (as on another machine), started."""
         # Short: Ray's socket paths under it must fit in 107 bytes.
         temp_dir = tempfile.mkdtemp(prefix="jsw", dir="/tmp")
+        site_dir = Path(temp_dir) / "site"
+        site_dir.mkdir()
+        (site_dir / "sitecustomize.py").write_text(JOBS_SERVER_IS_NOT_INSTALLED_HERE)
         node = start_ray_node(
             [
                 f"--address={self.gcs_address}",
@@ -106,6 +130,7 @@ class MultiNodeCluster:
             ],
             ip,
             self.tmp_dir / f"worker-{ip}-{Path(temp_dir).name}.log",
+            env={**os.environ, "PYTHONPATH": str(site_dir)},
         )
         self.worker_temp_dirs.append(temp_dir)
         node.wait_until_started()
@@ -130,8 +155,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         yield multi_node
     finally:
         if worker is not None:
-            stop_process_group(worker.process)
-        stop_process_group(head.process)
+            stop_process_group(worker.process, timeout_s=5)
+        stop_process_group(head.process, timeout_s=5)
         for temp_dir in multi_node.worker_temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -304,6 +329,19 @@ async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_hea
     assert not server.spool_path(job_id).exists()  # pulled to the end, then removed
 
 
+async def test_worker_nodes_cannot_import_jobs_server(http: aiohttp.ClientSession) -> None:
+    """The guard of the test above: its supervisor ran where jobs_server is not installed."""
+    job_id = await submit(
+        http,
+        entrypoint="python -c 'import jobs_server'",
+        entrypoint_resources={WORKER_RESOURCE: 1},
+    )
+    job = await wait_for_job(http, job_id)
+    assert job["status"] == "FAILED"
+    assert job["driver_info"]["node_ip_address"] == WORKER_IP
+    assert "No module named 'jobs_server' on this node" in await read_all_logs(http, job_id)
+
+
 async def test_jobs_without_resources_stay_on_the_head_node(http: aiohttp.ClientSession) -> None:
     shared = await submit(http, entrypoint="echo shared")
     # A runtime env of its own gives the job its own supervisor; without resources it too
@@ -391,7 +429,7 @@ async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
         assert await read_all_logs(http, job_id) == expected
         assert (server.log_dir / f"job-driver-{job_id}.log").read_text() == expected
     finally:
-        stop_process_group(doomed.process)
+        stop_process_group(doomed.process, timeout_s=5)
         if pid_file.exists():
             for pid in pid_file.read_text().split():
                 if _is_running(int(pid)):

@@ -20,7 +20,7 @@ from pathlib import Path
 from jobs_server.manager.logs import LOG_POLL_INTERVAL_S, log_size
 
 # One pull's most bytes: large enough that a burst of many MB crosses in few actor calls.
-LOG_SHIP_CHUNK_BYTES = 1024 * 1024
+LOG_SHIP_CHUNK_BYTES = 4 * 1024 * 1024
 # How long one pull waits on the worker for new bytes before it answers empty (a long poll).
 SPOOL_WAIT_S = 5.0
 # How long a supervisor holds a job's terminal status back waiting for the server to pull the

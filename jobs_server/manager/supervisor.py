@@ -138,7 +138,9 @@ class JobSupervisor:
         its log is spooled here for the server to pull (`read_spooled_log`)."""
         run = self._runs.get(submission_id)
         if run is None and (await self._job_store().get(submission_id)).status is JobStatus.PENDING:
-            await self._arrivals.setdefault(submission_id, asyncio.Event()).wait()
+            # Pending and not here: `run_job` is on its way (or arrived while the record was read).
+            if submission_id not in self._runs:
+                await self._arrivals.setdefault(submission_id, asyncio.Event()).wait()
             run = self._runs.get(submission_id)
         if run is not None:
             await run.started.wait()
