@@ -183,13 +183,12 @@ class Server:
         )
 
 
-@pytest.fixture(scope="module")
-def server(cluster: MultiNodeCluster) -> Iterator[Server]:
-    """`jobs-server serve` joined to the cluster from its head node."""
+def start_server(
+    cluster: MultiNodeCluster, namespace: str, log_dir: Path
+) -> tuple[subprocess.Popen[bytes], Server]:
+    """`jobs-server serve` joined to the cluster from its head node, answering."""
     port = free_port()
-    namespace = f"test_multi_node_{uuid.uuid4().hex[:8]}"
-    log_dir = cluster.tmp_dir / "head_logs"
-    log_path = cluster.tmp_dir / "server.log"
+    log_path = cluster.tmp_dir / f"server-{namespace}.log"
     process = start_jobs_server(
         [
             "--port",
@@ -208,7 +207,18 @@ def server(cluster: MultiNodeCluster) -> Iterator[Server]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for_server(url, process, log_path, timeout_s=90)
-        yield Server(url, log_dir, namespace)
+    except BaseException:
+        stop_process_group(process)
+        raise
+    return process, Server(url, log_dir, namespace)
+
+
+@pytest.fixture(scope="module")
+def server(cluster: MultiNodeCluster) -> Iterator[Server]:
+    namespace = f"test_multi_node_{uuid.uuid4().hex[:8]}"
+    process, server = start_server(cluster, namespace, cluster.tmp_dir / "head_logs")
+    try:
+        yield server
     finally:
         stop_process_group(process)
 
@@ -434,3 +444,34 @@ async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
             for pid in pid_file.read_text().split():
                 if _is_running(int(pid)):
                     os.kill(int(pid), signal.SIGKILL)
+
+
+async def test_a_restarted_server_resumes_pulling_without_gaps_or_repeats(
+    cluster: MultiNodeCluster, tmp_path: Path
+) -> None:
+    namespace = f"test_restart_{uuid.uuid4().hex[:8]}"
+    log_dir = tmp_path / "head_logs"
+    slow_lines = 20
+    entrypoint = BURST_THEN_SLOW.replace(f"range({SLOW_LINES})", f"range({slow_lines})")
+    expected = "".join(f"burst {i:08d}\n" for i in range(BURST_LINES)) + "".join(
+        f"slow {i}\n" for i in range(slow_lines)
+    )
+    first, server = start_server(cluster, namespace, log_dir)
+    try:
+        async with aiohttp.ClientSession(base_url=server.url) as http:
+            job_id = await submit(
+                http, entrypoint=entrypoint, entrypoint_resources={WORKER_RESOURCE: 1}
+            )
+            # The first server has pulled the burst when it stops.
+            assert (await follow_until(http, job_id, "slow 0\n")).startswith("burst 00000000\n")
+    finally:
+        stop_process_group(first)
+    second, server = start_server(cluster, namespace, log_dir)
+    try:
+        async with aiohttp.ClientSession(base_url=server.url) as http:
+            job = await wait_for_job(http, job_id)
+            assert job["status"] == "SUCCEEDED", job
+            assert await follow_text(http, job_id) == expected
+        assert (log_dir / f"job-driver-{job_id}.log").read_text() == expected
+    finally:
+        stop_process_group(second)

@@ -107,11 +107,18 @@ class JobManager:
         self._log_dir.mkdir(parents=True, exist_ok=True)
         await self._supervisors.start()
         busy_supervisors = set()
+        live_supervisors = await asyncio.to_thread(self._supervisors.live_names)
         for record in await self._store.list():
             if not record.status.is_terminal():
                 await self._adopt(record)
                 busy_supervisors.add(record.supervisor_name)
-        for name in await asyncio.to_thread(self._supervisors.stale_shared_names):
+            elif record.supervisor_name in live_supervisors and is_dedicated(
+                record.supervisor_name
+            ):
+                # It ended while no server watched: pull what is left of its log from its
+                # node, then retire its supervisor.
+                await self._adopt(record)
+        for name in self._supervisors.stale_shared_names(live_supervisors):
             if name not in busy_supervisors:
                 logger.info("retiring idle supervisor %s of an earlier server version", name)
                 await asyncio.to_thread(self._supervisors.kill, name)

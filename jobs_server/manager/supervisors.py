@@ -104,15 +104,21 @@ class Supervisors:
         except ValueError:
             return None
 
-    def stale_shared_names(self) -> list[str]:
-        """Shared supervisors that another version of the server created (blocking)."""
-        return [
+    def live_names(self) -> set[str]:
+        """The names of every live supervisor in the namespace (blocking: one GCS call)."""
+        return {
             actor["name"]
             for actor in ray.util.list_named_actors(all_namespaces=True)
             if actor["namespace"] == self._namespace
-            and actor["name"].startswith(_SHARED_PREFIX)
-            and actor["name"] not in self._shared_names
-        ]
+        }
+
+    def stale_shared_names(self, live_names: set[str]) -> list[str]:
+        """Shared supervisors among `live_names` that another version of the server created."""
+        return sorted(
+            name
+            for name in live_names
+            if name.startswith(_SHARED_PREFIX) and name not in self._shared_names
+        )
 
     def kill(self, name: str) -> None:
         """Kill the supervisor named `name`, if it is still there (blocking)."""
