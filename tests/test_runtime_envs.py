@@ -25,6 +25,7 @@ from aiohttp.test_utils import TestClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs_server.app import create_app
+from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.settings import Settings
 from tests.conftest import (
     S3_CREDENTIALS,
@@ -397,3 +398,66 @@ def test_submission_client_surfaces_a_setup_failure(server_url: str) -> None:
     assert info.message is not None
     assert url in info.message
     assert "Connection refused" in info.message
+
+
+RAY_TIMEOUT_TEXT = """Failed to set up runtime environment.
+Failed to install runtime_env within the timeout of 5 seconds. Consider increasing the timeout
+[Node 10.0.0.7] Traceback (most recent call last):
+  File "runtime_env_agent.py", line 561, in _create_runtime_env_with_retry
+asyncio.exceptions.CancelledError
+
+During handling of the above exception, another exception occurred:
+
+TimeoutError
+"""
+# What a server that accepts the connection and never answers gives, after ~3 minutes (Ray's
+# fixed 60 s HTTP timeout, 3 attempts): too slow to wait for in a test.
+RAY_READ_TIMEOUT_TEXT = """Failed to set up runtime environment.
+[Node 10.0.0.7] Traceback (most recent call last):
+  File "working_dir.py", line 260, in create
+    local_dir = await download_and_unpack_package(
+requests.exceptions.ReadTimeout: HTTPConnectionPool(host='127.0.0.1', port=40491): \
+Read timed out. (read timeout=60)
+"""
+RAY_PIP_TEXT = """Failed to set up runtime environment.
+[Node 10.0.0.7] Traceback (most recent call last):
+  File "pip.py", line 90, in _install_pip_packages
+    raise RuntimeError(f"Failed to install pip packages:\\n{output}")
+RuntimeError: Failed to install pip packages: No matching distribution found for nosuchpkg
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "runtime_env", "expected"),
+    [
+        (
+            RAY_TIMEOUT_TEXT,
+            {"working_dir": "https://example.com/a.zip"},
+            "Runtime env setup failed: not set up within 5 s (raise runtime_env config "
+            "setup_timeout_seconds if it needs longer) (on node 10.0.0.7).",
+        ),
+        (
+            RAY_READ_TIMEOUT_TEXT,
+            {"working_dir": "http://127.0.0.1:40491/project.zip"},
+            "Runtime env setup failed: working_dir 'http://127.0.0.1:40491/project.zip': no "
+            "answer within 60 s (read timeout) (on node 10.0.0.7).",
+        ),
+        (
+            RAY_PIP_TEXT,
+            {"pip": ["nosuchpkg"]},
+            "Runtime env setup failed: RuntimeError: Failed to install pip packages: No matching "
+            "distribution found for nosuchpkg (on node 10.0.0.7).",
+        ),
+        (
+            RAY_PIP_TEXT,
+            {"working_dir": 5},
+            "Runtime env setup failed: RuntimeError: Failed to install pip packages: No matching "
+            "distribution found for nosuchpkg (on node 10.0.0.7).",
+        ),
+    ],
+    ids=["setup-timeout", "read-timeout", "other-cause", "record-from-before-the-checks"],
+)
+def test_setup_failures_of_other_kinds_are_one_line(
+    text: str, runtime_env: dict[str, Any], expected: str
+) -> None:
+    assert describe_setup_failure(text, runtime_env) == expected

@@ -38,6 +38,10 @@ def _os_error(match: re.Match[str]) -> str:
     return f"cannot connect ({match[1].strip()})"
 
 
+def _http_timeout(match: re.Match[str]) -> str:
+    return f"no answer within {match[2]} s ({match[1]} timeout)"
+
+
 def _bad_zip(match: re.Match[str]) -> str:
     return f"not a zip archive ({match[1].strip()})"
 
@@ -67,6 +71,7 @@ _CAUSES: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
         re.compile(r"An error occurred \((\w+)\) when calling the \w+ operation: ([^\n]*)"),
         _s3_error,
     ),
+    (re.compile(r"timed out\. \((read|connect) timeout=([\d.]+)\)"), _http_timeout),
     (re.compile(r"\[Errno -?\d+\] ([^\"'()\n]+)"), _os_error),
     (re.compile(r"BadZipFile: ([^\n]*)"), _bad_zip),
     (
