@@ -65,19 +65,25 @@ class JobsApi:
                 raise ApiError(f"{method} {path} -> {response.status}: {text[:ERROR_BODY_CHARS]!r}")
             return await response.json(content_type=None) if text else None
 
-    async def submit(self, entrypoint: str, submission_id: str) -> Submitted:
-        """POST a job; time the request."""
+    async def submit(
+        self, entrypoint: str, submission_id: str, *, resources: dict[str, float] | None = None
+    ) -> Submitted:
+        """POST a job (that asks for custom `resources`, if given); time the request."""
+        request: dict[str, object] = {"entrypoint": entrypoint, "submission_id": submission_id}
+        if resources:
+            request["entrypoint_resources"] = resources
         sent_at_s = time.monotonic()
-        body = await self._request(
-            "POST", "/api/jobs/", {"entrypoint": entrypoint, "submission_id": submission_id}
-        )
+        body = await self._request("POST", "/api/jobs/", request)
         latency_s = time.monotonic() - sent_at_s
         return Submitted(str(body["submission_id"]), sent_at_s, latency_s)
 
+    async def job(self, submission_id: str) -> dict[str, Any]:
+        """GET /api/jobs/{id}: the job's details."""
+        return dict(await self._request("GET", f"/api/jobs/{submission_id}"))
+
     async def status(self, submission_id: str) -> str:
         """The job's current status."""
-        body = await self._request("GET", f"/api/jobs/{submission_id}")
-        return str(body["status"])
+        return str((await self.job(submission_id))["status"])
 
     async def list_jobs_body(self) -> bytes:
         """GET /api/jobs/, read to its last byte but not parsed."""

@@ -1,5 +1,8 @@
 """The log scenarios: how late a followed line arrives, how soon the first one does, and how fast
 (and with how much server memory) a large log is read by each reader a server offers.
+
+The tail latency and the large log run on the head node (group `logs`) and again with the job on
+a worker node (group `remote`): a `Placement` says which.
 """
 
 from __future__ import annotations
@@ -26,7 +29,16 @@ from benchmarks.log_readers import (
     tail_frames,
 )
 from benchmarks.report import Better, Figure, Metric, OursAtMost, Server, Target, Unit
-from benchmarks.scenarios import REQUEST_ERRORS, RunContext, Scenario, p50, settle
+from benchmarks.scenarios import (
+    ON_HEAD,
+    REQUEST_ERRORS,
+    Placement,
+    RunContext,
+    Scenario,
+    note_if_ran_elsewhere,
+    p50,
+    settle,
+)
 from benchmarks.stats import PeakRssGrowth, percentile
 
 logger = logging.getLogger(__name__)
@@ -56,9 +68,10 @@ OUR_RSS_LIMIT_BYTES = 32 * 2**20
 NO_SUCH_ENDPOINT = "no such endpoint"
 
 
-def python_entrypoint(script: str) -> str:
-    """A shell command running `script` with this interpreter (the jobs run on this machine)."""
-    return shlex.join([sys.executable, "-c", script])
+def python_entrypoint(script: str, *args: str) -> str:
+    """A shell command running `script` with this interpreter (every node runs on this machine),
+    with `args` in `sys.argv[1:]`."""
+    return shlex.join([sys.executable, "-c", script, *args])
 
 
 def is_base64_line(line: bytes) -> bool:
@@ -87,46 +100,53 @@ class TickLatencies:
 class LogTailLatency(Scenario):
     """A job prints a timestamped line every 50 ms; the websocket tail's lag per line."""
 
-    group = "logs"
-
-    def __init__(self, lines: int) -> None:
+    def __init__(self, lines: int, placement: Placement = ON_HEAD) -> None:
         self.lines = lines
-        self.title = f"log tail latency ({lines} lines, one every 50 ms)"
+        self.placement = placement
+        self.group = placement.group
+        self.title = placement.label(f"log tail latency ({lines} lines, one every 50 ms)")
 
     def metrics(self) -> list[Metric]:
         what = f"{self.lines} lines every {TICK_INTERVAL_S * 1000:.0f} ms"
-        return [
-            Metric(
-                "tail_latency_p50",
-                f"log line print → websocket tail p50 ({what})",
-                Unit.SECONDS,
-                Better.LOWER,
-                Target("≤ 1/20 of Ray's", 0.05),
-            ),
-            Metric(
-                "tail_latency_p99",
-                f"log line print → websocket tail p99 ({what})",
-                Unit.SECONDS,
-                Better.LOWER,
-            ),
-        ]
+        return self.placement.rows(
+            [
+                Metric(
+                    "tail_latency_p50",
+                    f"log line print → websocket tail p50 ({what})",
+                    Unit.SECONDS,
+                    Better.LOWER,
+                    Target("≤ 1/20 of Ray's", 0.05),
+                ),
+                Metric(
+                    "tail_latency_p99",
+                    f"log line print → websocket tail p99 ({what})",
+                    Unit.SECONDS,
+                    Better.LOWER,
+                ),
+            ]
+        )
 
     async def measure(self, ctx: RunContext) -> dict[str, Figure]:
         script = TICKER_SCRIPT.format(lines=self.lines, interval_s=TICK_INTERVAL_S)
-        [job_id] = ctx.job_ids("tick", 1)
-        job = await ctx.api.submit(python_entrypoint(script), job_id)
+        [job_id] = ctx.job_ids(self.placement.key("tick"), 1)
+        job = await ctx.api.submit(
+            python_entrypoint(script), job_id, resources=self.placement.resources
+        )
         try:
             ticks = await self._follow(ctx, job.submission_id)
         finally:
             await settle(ctx, [job.submission_id], what="ticker", timeout_s=JOB_END_TIMEOUT_S)
+        await note_if_ran_elsewhere(ctx, job.submission_id, self.placement.node_ip)
         if len(ticks.latencies_s) != self.lines:
             ctx.note(f"the tail delivered {len(ticks.latencies_s)} of {self.lines} tick lines")
         if not ticks.latencies_s:
             return {}
-        return {
-            "tail_latency_p50": Figure(percentile(ticks.latencies_s, 50)),
-            "tail_latency_p99": Figure(percentile(ticks.latencies_s, 99)),
-        }
+        return self.placement.figures(
+            {
+                "tail_latency_p50": Figure(percentile(ticks.latencies_s, 50)),
+                "tail_latency_p99": Figure(percentile(ticks.latencies_s, 99)),
+            }
+        )
 
     async def _follow(self, ctx: RunContext, submission_id: str) -> TickLatencies:
         ticks = TickLatencies()
@@ -190,56 +210,64 @@ class TimeToFirstLine(Scenario):
 class BigLog(Scenario):
     """A job writes N bytes of base64 text; then the whole log is read by each reader."""
 
-    group = "logs"
-
-    def __init__(self, size_bytes: int) -> None:
+    def __init__(self, size_bytes: int, placement: Placement = ON_HEAD) -> None:
         self.size_bytes = size_bytes
         self.size_text = f"{size_bytes / 2**20:.0f} MiB"
-        self.title = f"a {self.size_text} log, read whole"
+        self.placement = placement
+        self.group = placement.group
+        self.title = placement.label(f"a {self.size_text} log, read whole")
 
     def metrics(self) -> list[Metric]:
         log = f"{self.size_text} log"
-        return [
-            Metric(
-                "big_json_per_s",
-                f"GET /logs (JSON) of a finished {log}: throughput",
-                Unit.BYTES_PER_SECOND,
-                Better.HIGHER,
-                Target("≥ 4 times Ray's", 4.0),
-            ),
-            Metric(
-                "big_json_first_byte",
-                f"GET /logs (JSON) of a finished {log}: time to first byte",
-                Unit.SECONDS,
-                Better.LOWER,
-            ),
-            Metric(
-                "big_json_rss_growth",
-                f"GET /logs (JSON) of a finished {log}: server's peak RSS growth",
-                Unit.BYTES,
-                Better.LOWER,
-                OursAtMost("ours ≤ 32 MiB", OUR_RSS_LIMIT_BYTES),
-            ),
-            Metric(
-                "big_tail_per_s",
-                f"websocket tail of a finished {log}: throughput",
-                Unit.BYTES_PER_SECOND,
-                Better.HIGHER,
-                Target("≥ 10 times Ray's", 10.0),
-            ),
-            Metric(
-                "big_sse_per_s",
-                f"SSE /logs/stream of a finished {log}: throughput",
-                Unit.BYTES_PER_SECOND,
-                Better.HIGHER,
-            ),
-            Metric(
-                "big_text_per_s",
-                f"GET /logs?format=text of a finished {log}: throughput",
-                Unit.BYTES_PER_SECOND,
-                Better.HIGHER,
-            ),
-        ]
+        return self.placement.rows(
+            [
+                Metric(
+                    "big_json_per_s",
+                    f"GET /logs (JSON) of a finished {log}: throughput",
+                    Unit.BYTES_PER_SECOND,
+                    Better.HIGHER,
+                    Target("≥ 4 times Ray's", 4.0),
+                ),
+                Metric(
+                    "big_json_first_byte",
+                    f"GET /logs (JSON) of a finished {log}: time to first byte",
+                    Unit.SECONDS,
+                    Better.LOWER,
+                ),
+                Metric(
+                    "big_json_rss_growth",
+                    f"GET /logs (JSON) of a finished {log}: server's peak RSS growth",
+                    Unit.BYTES,
+                    Better.LOWER,
+                    OursAtMost("ours ≤ 32 MiB", OUR_RSS_LIMIT_BYTES),
+                ),
+                Metric(
+                    "big_tail_per_s",
+                    f"websocket tail of a finished {log}: throughput",
+                    Unit.BYTES_PER_SECOND,
+                    Better.HIGHER,
+                    Target("≥ 10 times Ray's", 10.0),
+                ),
+                Metric(
+                    "big_sse_per_s",
+                    f"SSE /logs/stream of a finished {log}: throughput",
+                    Unit.BYTES_PER_SECOND,
+                    Better.HIGHER,
+                ),
+                Metric(
+                    "big_text_per_s",
+                    f"GET /logs?format=text of a finished {log}: throughput",
+                    Unit.BYTES_PER_SECOND,
+                    Better.HIGHER,
+                ),
+                Metric(
+                    "big_readable",
+                    f"submit → all of a {log} readable (the job seen ended)",
+                    Unit.SECONDS,
+                    Better.LOWER,
+                ),
+            ]
+        )
 
     def entrypoint(self) -> str:
         """Exactly `size_bytes` printable bytes: base64 lines of random bytes, cut to size.
@@ -254,14 +282,21 @@ class BigLog(Scenario):
         )
 
     async def measure(self, ctx: RunContext) -> dict[str, Figure]:
-        [job_id] = ctx.job_ids("biglog", 1)
-        job = await ctx.api.submit(self.entrypoint(), job_id)
+        [job_id] = ctx.job_ids(self.placement.key("biglog"), 1)
+        job = await ctx.api.submit(self.entrypoint(), job_id, resources=self.placement.resources)
         try:
-            status = await self._wait_for_end(ctx, job.submission_id)
-            if status != "SUCCEEDED":
+            status, ended_at_s = await self._wait_for_end(ctx, job.submission_id)
+            if status != "SUCCEEDED" or ended_at_s is None:
                 ctx.note(f"the {self.size_text} log job ended {status}")
                 return {}
-            return await self._read_all_ways(ctx, job.submission_id)
+            await note_if_ran_elsewhere(ctx, job.submission_id, self.placement.node_ip)
+            figures = await self._read_all_ways(ctx, job.submission_id)
+            # The first read after the end returned every byte (else it is an error figure).
+            whole = figures.get("big_json_per_s", Figure(None)).value is not None
+            figures["big_readable"] = (
+                Figure(ended_at_s - job.sent_at_s) if whole else Figure(None, "error")
+            )
+            return self.placement.figures(figures)
         finally:
             await settle(ctx, [job.submission_id], what="big-log", timeout_s=0)
             try:
@@ -269,7 +304,8 @@ class BigLog(Scenario):
             except REQUEST_ERRORS as error:
                 ctx.note(f"deleting the {self.size_text} log job failed: {error}")
 
-    async def _wait_for_end(self, ctx: RunContext, submission_id: str) -> str:
+    async def _wait_for_end(self, ctx: RunContext, submission_id: str) -> tuple[str, float | None]:
+        """The job's terminal status and when it was first seen (monotonic)."""
         watch = await watch_statuses(
             ctx.api,
             [submission_id],
@@ -277,7 +313,8 @@ class BigLog(Scenario):
             interval_s=JOB_END_POLL_INTERVAL_S,
             timeout_s=BIG_LOG_JOB_TIMEOUT_S,
         )
-        return watch.status.get(submission_id, f"not done after {BIG_LOG_JOB_TIMEOUT_S:.0f} s")
+        status = watch.status.get(submission_id, f"not done after {BIG_LOG_JOB_TIMEOUT_S:.0f} s")
+        return status, watch.seen_at_s.get(submission_id)
 
     async def _read_all_ways(self, ctx: RunContext, submission_id: str) -> dict[str, Figure]:
         figures, log_bytes = await self._json_fetch(ctx, submission_id)

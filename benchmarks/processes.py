@@ -1,4 +1,5 @@
-"""The processes under test: a Ray head node with its dashboard, and jobs-server on that cluster.
+"""The processes under test: a Ray head node with its dashboard, jobs-server on that cluster, and
+worker nodes joined to it (for the jobs that ask for resources only a worker has).
 
 Each runs in its own process group (session) and is stopped by that group only, in a `finally`.
 """
@@ -6,6 +7,7 @@ Each runs in its own process group (session) and is stopped by that group only, 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -16,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,8 @@ import psutil
 logger = logging.getLogger(__name__)
 
 RAY_NODE_IP = "127.0.0.2"
+# Worker nodes' addresses: distinct from the head's, and from those the tests' clusters use.
+WORKER_NODE_IP = "127.0.0.31"
 HTTP_HOST = "127.0.0.1"
 RAY_BIN = Path(sys.executable).parent / "ray"
 RAY_NUM_CPUS = 2
@@ -33,6 +37,7 @@ RAY_READY_TIMEOUT_S = 120.0
 SERVER_READY_TIMEOUT_S = 90.0
 READY_POLL_INTERVAL_S = 0.25
 STOP_TIMEOUT_S = 30.0
+RAY_STARTED_LINE = "Ray runtime started"
 LOG_TAIL_BYTES = 4000
 # How Ray's log-serving processes show in /proc: the dashboard keeps its command line, the agent
 # renames itself (setproctitle) but older releases kept the script's path.
@@ -52,6 +57,27 @@ class RayHead:
     dashboard_url: str
     temp_dir: Path
     pid: int
+    # The run's work dir: worker nodes' temp dirs go under it.
+    work_dir: Path
+
+
+@dataclass(frozen=True)
+class RayWorker:
+    """A running worker node of the head's cluster: its address and its `ray start` process."""
+
+    ip: str
+    process: subprocess.Popen[bytes]
+    # The node's own files: TMPDIR of its processes.
+    node_dir: Path
+
+    def raylet(self) -> psutil.Process | None:
+        """The node's raylet (killing it loses the node), or None if it is gone."""
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.name() == "raylet":
+                        return child
+        return None
 
 
 @dataclass(frozen=True)
@@ -77,16 +103,18 @@ def our_log_processes(server: OurServer) -> list[psutil.Process]:
     return []
 
 
-def ray_log_processes(head: RayHead) -> list[psutil.Process]:
+def ray_log_processes(head: RayHead, workers: list[RayWorker]) -> list[psutil.Process]:
     """The processes that serve a log request to Ray: the dashboard with its module subprocesses
-    (the job module runs in one) and the dashboard agent(s), which read the log files."""
+    (the job module runs in one) and the dashboard agents of the head and the `workers`, which
+    read the log files of the jobs on their nodes."""
     found: dict[int, psutil.Process] = {}
-    with contextlib.suppress(psutil.NoSuchProcess):
-        for process in psutil.Process(head.pid).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                cmdline = " ".join(process.cmdline())
-                if any(m in cmdline for m in RAY_DASHBOARD_MARKERS + RAY_AGENT_MARKERS):
-                    found |= {p.pid: p for p in process_tree(process)}
+    for node_pid in [head.pid, *(worker.process.pid for worker in workers)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            for process in psutil.Process(node_pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    cmdline = " ".join(process.cmdline())
+                    if any(m in cmdline for m in RAY_DASHBOARD_MARKERS + RAY_AGENT_MARKERS):
+                        found |= {p.pid: p for p in process_tree(process)}
     return list(found.values())
 
 
@@ -154,6 +182,17 @@ def wait_http_ok(
     url: str, process: subprocess.Popen[Any], log_path: Path, timeout_s: float, what: str
 ) -> float:
     """Poll `url` until it answers 200; return the seconds it took. Fails if the process exits."""
+    return wait_ready(lambda: _answers_ok(url), process, log_path, timeout_s, f"{what} ({url})")
+
+
+def wait_ready(
+    is_ready: Callable[[], bool],
+    process: subprocess.Popen[Any],
+    log_path: Path,
+    timeout_s: float,
+    what: str,
+) -> float:
+    """Poll `is_ready` until it is true; return the seconds it took. Fails if the process exits."""
     started_s = time.monotonic()
     deadline_s = started_s + timeout_s
     for _ in range(int(timeout_s / READY_POLL_INTERVAL_S) + 1):
@@ -162,12 +201,12 @@ def wait_http_ok(
                 f"{what} exited with {process.returncode} before it was ready:\n"
                 + log_tail(log_path)
             )
-        if _answers_ok(url):
+        if is_ready():
             return time.monotonic() - started_s
         if time.monotonic() > deadline_s:
             break
         time.sleep(READY_POLL_INTERVAL_S)
-    raise SetupError(f"{what} not ready after {timeout_s:.0f} s ({url}):\n" + log_tail(log_path))
+    raise SetupError(f"{what} not ready after {timeout_s:.0f} s:\n" + log_tail(log_path))
 
 
 def _answers_ok(url: str) -> bool:
@@ -227,10 +266,81 @@ def ray_head(work_dir: Path) -> Iterator[RayHead]:
             f"{dashboard_url}/api/version", process, log_path, RAY_READY_TIMEOUT_S, "Ray"
         )
         logger.info("Ray's dashboard answered after %.1f s at %s", took_s, dashboard_url)
-        yield RayHead(f"{RAY_NODE_IP}:{gcs_port}", dashboard_url, temp_dir, process.pid)
+        yield RayHead(f"{RAY_NODE_IP}:{gcs_port}", dashboard_url, temp_dir, process.pid, work_dir)
     finally:
         logger.info("stopping the Ray head node (process group %d)", process.pid)
         stop_process_group(process)
+
+
+def start_ray_worker(
+    head: RayHead, *, name: str, ip: str, resources: dict[str, float], num_cpus: int
+) -> RayWorker:
+    """A worker node joined to `head`'s cluster, on `ip`, with the custom `resources`, started
+    (its process group stopped again if it does not start); `stop_ray_worker` stops it.
+
+    Its Ray temp dir is the head's, as on separate machines with Ray's default (`/tmp/ray` on
+    each): a node's dashboard agent looks for job logs under the session directory it gets from
+    the cluster, the head's path, so a worker with a temp dir of its own would have its job logs
+    served from the head's files. Its other files (TMPDIR: our supervisor's log spool) go to a
+    directory of its own.
+    """
+    node_dir = head.work_dir / name
+    node_dir.mkdir()
+    args = [
+        str(RAY_BIN),
+        "start",
+        "--block",
+        "--address",
+        head.gcs_address,
+        "--node-ip-address",
+        ip,
+        f"--num-cpus={num_cpus}",
+        "--resources",
+        json.dumps(resources),
+        "--disable-usage-stats",
+        "--temp-dir",
+        str(head.temp_dir),
+        "--dashboard-agent-listen-port",
+        str(free_port(ip)),
+    ]
+    log_path = head.work_dir / f"ray-{name}.log"
+    logger.info("starting Ray worker node %s on %s (%s)", name, ip, json.dumps(resources))
+    process = start_process_group(
+        args,
+        log_path,
+        extra_env={"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "TMPDIR": str(node_dir)},
+    )
+    try:
+        took_s = wait_ready(
+            lambda: RAY_STARTED_LINE in log_path.read_text(errors="replace"),
+            process,
+            log_path,
+            RAY_READY_TIMEOUT_S,
+            f"Ray worker node {name}",
+        )
+    except BaseException:
+        stop_process_group(process)
+        raise
+    logger.info("Ray worker node %s started after %.1f s", name, took_s)
+    return RayWorker(ip, process, node_dir)
+
+
+def stop_ray_worker(worker: RayWorker) -> None:
+    """Stop the worker node's process group (whatever is left of it)."""
+    logger.info("stopping Ray worker node %s (process group %d)", worker.ip, worker.process.pid)
+    stop_process_group(worker.process)
+
+
+@contextlib.contextmanager
+def ray_worker(
+    head: RayHead, *, name: str, ip: str, resources: dict[str, float], num_cpus: int
+) -> Iterator[RayWorker]:
+    """A worker node joined to `head`'s cluster, stopped on exit."""
+    worker = start_ray_worker(head, name=name, ip=ip, resources=resources, num_cpus=num_cpus)
+    try:
+        yield worker
+    finally:
+        stop_ray_worker(worker)
 
 
 @contextlib.contextmanager

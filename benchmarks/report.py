@@ -20,6 +20,8 @@ class Unit(StrEnum):
     PER_SECOND = "/s"
     BYTES = "B"
     BYTES_PER_SECOND = "B/s"
+    # Not a number: a word that answers the row (see `answer`).
+    ANSWER = "answer"
 
 
 class Server(StrEnum):
@@ -74,10 +76,16 @@ class Metric:
 
 @dataclass(frozen=True)
 class Figure:
-    """One server's value for one metric; `value` is None when it could not be measured."""
+    """One server's value for one metric; `value` is None when there is no number, and
+    `missing` is what the cell says instead: why, or the answer of an ANSWER row."""
 
     value: float | None
     missing: str = "n/a"
+
+
+def answer(text: str) -> Figure:
+    """A figure that is a word, not a number (no ratio): e.g. "yes (HTTP 200)"."""
+    return Figure(None, text)
 
 
 @dataclass

@@ -1,16 +1,19 @@
 """Benchmark jobs-server against Ray's own job server, side by side on one Ray cluster.
 
-    .venv/bin/python -m benchmarks.run [--quick] [--only {jobs,logs}] [--list-jobs N] [--keep-logs]
+    .venv/bin/python -m benchmarks.run [--quick] [--only {jobs,logs,remote}] [--list-jobs N]
+                                       [--keep-logs]
 
 Starts a Ray head node with its dashboard (which serves Ray's jobs API) and jobs-server on the same
-cluster, drives both through the same HTTP client, prints a markdown table (progress goes to
-stderr) and writes it to benchmarks/results.md.
+cluster (and, for the remote scenarios, a worker node joined to it), drives both servers through
+the same HTTP client, prints a markdown table (progress goes to stderr) and writes it to
+benchmarks/results.md, or benchmarks/results-<group>.md for `--only <group>`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import importlib.metadata
 import logging
@@ -33,15 +36,22 @@ from benchmarks.client import JobsApi, is_terminal, new_session, watch_statuses
 from benchmarks.log_scenarios import BigLog, LogTailLatency, TimeToFirstLine
 from benchmarks.processes import (
     RAY_NUM_CPUS,
+    RayHead,
+    RayWorker,
     jobs_server,
     kill_survivors,
     our_log_processes,
     ray_head,
     ray_log_processes,
+    ray_worker,
 )
+from benchmarks.remote_scenarios import NodeLoss
 from benchmarks.report import Figure, Metric, Results, Server, format_value, markdown_table
 from benchmarks.scenarios import (
+    ON_WORKER,
     REQUEST_ERRORS,
+    WORKER_RESOURCE,
+    WORKER_RESOURCE_AMOUNT,
     BurstOfTrivialJobs,
     ConcurrentPosts,
     ConcurrentSleepers,
@@ -60,7 +70,8 @@ WARM_UP_POLL_INTERVAL_S = 0.1
 LISTED_JOBS = 300
 POST_WORKERS = 16
 DEFAULT_LIST_AT_SCALE = 10_000
-SCENARIO_GROUPS = ("jobs", "logs")
+SCENARIO_GROUPS = ("jobs", "logs", "remote")
+WORKER_NODE_CPUS = 2
 
 METHOD_NOTES = [
     f"Both servers run on the same Ray head node ({RAY_NUM_CPUS} CPUs) and are driven by the "
@@ -90,6 +101,25 @@ METHOD_NOTES = [
     "from just before the request to the end of the body, peak minus first sample; ours is the "
     "jobs-server process and its children, Ray's is the dashboard process with its module "
     "subprocesses (the job module among them) plus the dashboard agent, which reads the file.",
+    "Remote scenarios (`job on a worker node`, `--only remote`): a worker node joins the cluster "
+    f"on {ON_WORKER.node_ip} ({WORKER_NODE_CPUS} CPUs, resource `{WORKER_RESOURCE}`, on the same "
+    "machine; its Ray temp dir is the head's path, as `/tmp/ray` is on every machine of a real "
+    "cluster: a node's dashboard agent looks for job logs under the head's session path); the "
+    "tail latency and large log scenarios above run again with "
+    f'`entrypoint_resources: {{"{WORKER_RESOURCE}": 1}}`, which only that node has, and where '
+    "each job ran is checked in GET /api/jobs/{id} (`driver_info.node_ip_address`; Ray's server "
+    "fills `driver_info` only for jobs that connect to Ray as a driver, so for Ray's the host of "
+    "`driver_agent_http_address`); a note says if a job ran elsewhere. Ray's server serves such a "
+    "log from the worker node's dashboard agent; ours pulls it into the head's log file while the "
+    "job runs and serves it from there. Ray's peak RSS also counts the worker's dashboard agent.",
+    "Submit → all of a large log readable: from sending the POST to the first status poll (GET "
+    "/api/jobs/ every 100 ms) that shows the job ended, counted only if the JSON GET sent right "
+    "after returns all N bytes.",
+    "Lost worker node: a throwaway worker node (one per server, each with a resource only it has) "
+    "runs a job that prints one line and sleeps; once GET /logs shows the line, the node's raylet "
+    "gets SIGKILL. Then GET /api/jobs/ every 100 ms until the job is terminal (at most "
+    "120 s; the row says FAILED's delay), then one GET /logs: whether it still holds the line, "
+    "and the HTTP status. A note says if the job's process outlived the node.",
 ]
 
 
@@ -155,6 +185,9 @@ def build_scenarios(sizes: Sizes, only: str | None = None) -> list[Scenario]:
         LogTailLatency(sizes.tail_lines),
         TimeToFirstLine(sizes.first_line_jobs),
         BigLog(sizes.big_log_bytes),
+        LogTailLatency(sizes.tail_lines, ON_WORKER),
+        BigLog(sizes.big_log_bytes, ON_WORKER),
+        NodeLoss(),
     ]
     if sizes.list_at_scale > 0:
         scenarios.append(ListAtScale(sizes.list_at_scale, LISTED_JOBS))
@@ -172,7 +205,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--only",
         choices=SCENARIO_GROUPS,
-        help="run only the job scenarios or only the log scenarios",
+        help="run only the job, the log or the remote (job on a worker node) scenarios, and "
+        "write benchmarks/results-<group>.md instead of results.md",
     )
     parser.add_argument(
         "--list-jobs",
@@ -208,17 +242,22 @@ async def measure_all(
     scenarios: list[Scenario],
     urls: dict[Server, str],
     log_processes: dict[Server, Callable[[], list[psutil.Process]]],
+    head: RayHead,
 ) -> Results:
     """Run every scenario against each of its servers, Ray's first."""
     results = Results()
     run_tag = uuid.uuid4().hex[:6]
     async with new_session() as session:
         apis = {server: JobsApi(session, url) for server, url in urls.items()}
-        for server, api in apis.items():
-            await warm_up(RunContext(api, server, results, run_tag, log_processes[server]))
+        contexts = {
+            server: RunContext(api, server, results, run_tag, log_processes[server], head)
+            for server, api in apis.items()
+        }
+        for ctx in contexts.values():
+            await warm_up(ctx)
         for number, scenario in enumerate(scenarios, start=1):
             for server in scenario.servers:
-                ctx = RunContext(apis[server], server, results, run_tag, log_processes[server])
+                ctx = contexts[server]
                 results.record(server, await measure_one(number, scenario, ctx))
                 await settle()
     return results
@@ -286,6 +325,17 @@ def render(
     return "\n".join(lines) + "\n"
 
 
+def worker_node(head: RayHead) -> contextlib.AbstractContextManager[RayWorker]:
+    """The worker node the remote scenarios' jobs run on: the only one with their resource."""
+    return ray_worker(
+        head,
+        name="worker",
+        ip=ON_WORKER.node_ip,
+        resources={WORKER_RESOURCE: WORKER_RESOURCE_AMOUNT},
+        num_cpus=WORKER_NODE_CPUS,
+    )
+
+
 def _interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -305,15 +355,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     logger.info("work dir %s; sizes: %s", work_dir, sizes.describe())
     survivors: list[tuple[int, str]] = []
     try:
-        with ray_head(work_dir) as head, jobs_server(head.gcs_address, work_dir) as ours:
+        with contextlib.ExitStack() as stack:
+            head = stack.enter_context(ray_head(work_dir))
+            ours = stack.enter_context(jobs_server(head.gcs_address, work_dir))
+            workers: list[RayWorker] = []
+            if any(scenario.group == ON_WORKER.group for scenario in scenarios):
+                workers.append(stack.enter_context(worker_node(head)))
             results = asyncio.run(
                 measure_all(
                     scenarios,
                     {Server.RAY: head.dashboard_url, Server.OURS: ours.url},
                     {
-                        Server.RAY: lambda: ray_log_processes(head),
+                        Server.RAY: lambda: ray_log_processes(head, workers),
                         Server.OURS: lambda: our_log_processes(ours),
                     },
+                    head,
                 )
             )
     finally:
@@ -329,9 +385,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         results.note(None, f"process {pid} outlived its process group (killed): {cmdline}")
     metrics = [m for s in scenarios for m in s.metrics()]
     report = render(metrics, results, sizes, started, args.only)
-    RESULTS_PATH.write_text(report)
+    # A partial run does not replace the full run's table (which README.md quotes).
+    results_path = RESULTS_PATH.with_name(f"results-{args.only}.md") if args.only else RESULTS_PATH
+    results_path.write_text(report)
     sys.stdout.write(report)
-    logger.info("written to %s", RESULTS_PATH)
+    logger.info("written to %s", results_path)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from urllib.parse import urlsplit
 
 import aiohttp
 import psutil
@@ -28,6 +29,7 @@ from benchmarks.client import (
     watch_statuses,
 )
 from benchmarks.log_readers import LogReadError
+from benchmarks.processes import RAY_NODE_IP, WORKER_NODE_IP, RayHead
 from benchmarks.report import Better, Figure, Metric, Results, Server, Target, Unit
 from benchmarks.stats import machine_pss_bytes, percentile
 
@@ -62,14 +64,16 @@ MAX_NOTED_ERRORS = 3
 
 @dataclass
 class RunContext:
-    """What a scenario needs to measure one server: its API, its name, where notes go, and the
-    processes that serve its log requests (whose memory the log scenarios watch)."""
+    """What a scenario needs to measure one server: its API, its name, where notes go, the
+    processes that serve its log requests (whose memory the log scenarios watch), and the
+    cluster's head node (to which a scenario may join worker nodes of its own)."""
 
     api: JobsApi
     server: Server
     results: Results
     run_tag: str
     log_processes: Callable[[], list[psutil.Process]]
+    head: RayHead
     _serial: itertools.count[int] = field(default_factory=itertools.count)
 
     def job_ids(self, slug: str, count: int) -> list[str]:
@@ -88,6 +92,63 @@ class RunContext:
         if errors:
             shown = "; ".join(errors[:MAX_NOTED_ERRORS])
             self.note(f"{len(errors)} {what} failed, e.g. {shown}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a scenario's jobs run: on the head node (they ask for nothing), or on the one node
+    that has the custom `resources` they ask for. It also names the scenario's rows and keys, and
+    the group `--only` selects it by."""
+
+    group: str
+    node_ip: str
+    resources: dict[str, float] | None = None
+    row_prefix: str = ""
+    key_prefix: str = ""
+
+    def key(self, name: str) -> str:
+        """A metric key (or job id slug) of this placement's; the head's are the plain names."""
+        return self.key_prefix + name
+
+    def label(self, text: str) -> str:
+        """A row label or title that says where the job ran (nothing for the head)."""
+        return self.row_prefix + text
+
+    def rows(self, metrics: list[Metric]) -> list[Metric]:
+        """A scenario's metrics, keyed and labelled for this placement."""
+        return [replace(m, key=self.key(m.key), label=self.label(m.label)) for m in metrics]
+
+    def figures(self, figures: dict[str, Figure]) -> dict[str, Figure]:
+        """A scenario's figures, keyed for this placement."""
+        return {self.key(key): figure for key, figure in figures.items()}
+
+
+# The benchmark's worker node alone has this resource; its jobs ask for one of it.
+WORKER_RESOURCE = "bench_worker"
+WORKER_RESOURCE_AMOUNT = 4
+ON_HEAD = Placement("logs", RAY_NODE_IP)
+ON_WORKER = Placement(
+    "remote", WORKER_NODE_IP, {WORKER_RESOURCE: 1}, "job on a worker node: ", "worker_"
+)
+
+
+async def note_if_ran_elsewhere(ctx: RunContext, submission_id: str, node_ip: str) -> None:
+    """Note the job if GET /api/jobs/{id} says it ran on another node than `node_ip`.
+
+    Ours says so in `driver_info.node_ip_address`; Ray's fills `driver_info` only for a job
+    whose entrypoint connects to Ray as a driver, so for a shell command it is the host of
+    `driver_agent_http_address` (the dashboard agent of the node the job ran on).
+    """
+    try:
+        job = await ctx.api.job(submission_id)
+    except REQUEST_ERRORS as error:
+        ctx.note(f"could not tell where job {submission_id} ran: {error}")
+        return
+    ran_on = (job.get("driver_info") or {}).get("node_ip_address") or urlsplit(
+        job.get("driver_agent_http_address") or ""
+    ).hostname
+    if ran_on != node_ip:
+        ctx.note(f"job {submission_id} ran on {ran_on or 'an unknown node'}, not on {node_ip}")
 
 
 class Scenario(ABC):
@@ -117,6 +178,20 @@ async def timed(call: Callable[[], Awaitable[object]]) -> float:
     started_s = time.monotonic()
     await call()
     return time.monotonic() - started_s
+
+
+async def poll_until(
+    check: Callable[[], Awaitable[bool]], *, timeout_s: float, interval_s: float
+) -> bool:
+    """Await `check` every `interval_s` until it is true (True) or `timeout_s` passes (False)."""
+    deadline_s = time.monotonic() + timeout_s
+    for _ in range(int(timeout_s / interval_s) + 1):
+        if await check():
+            return True
+        if time.monotonic() > deadline_s:
+            break
+        await asyncio.sleep(interval_s)
+    return False
 
 
 async def settle(
