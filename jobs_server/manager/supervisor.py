@@ -202,6 +202,9 @@ class JobSupervisor:
         job_token = secrets.token_hex(16)
         self._starting += 1
         if run.log_path != job.log_path:
+            # A spool left by an earlier job of the same id (deleted, then submitted again)
+            # must not prefix this one's log.
+            run.log_path.unlink(missing_ok=True)
             self._spools[job.submission_id] = run.log_path
         try:
             process = await start_entrypoint(
