@@ -398,7 +398,7 @@ async def test_a_pending_job_says_which_resources_it_waits_for(
         for job_id in (too_big, holder, waiting):
             async with http.post(f"/api/jobs/{job_id}/stop") as response:
                 assert response.status == 200
-    for job_id in (too_big, waiting):
+    for job_id in (too_big, holder, waiting):
         assert (await wait_for_job(http, job_id))["status"] == "STOPPED"
 
 
