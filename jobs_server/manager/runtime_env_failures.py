@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from jobs_server.errors import InvalidRuntimeEnvError
 from jobs_server.manager.runtime_envs import PackageRef, package_refs
 
 MAX_CAUSE_CHARS = 500
@@ -99,7 +100,7 @@ def _failed_parts(text: str, runtime_env: dict[str, Any]) -> list[PackageRef]:
     """The packages the error is about: those it names, else those of the failing plugin."""
     try:
         refs = package_refs(runtime_env)
-    except Exception:  # a record written before these checks: describe the cause alone
+    except InvalidRuntimeEnvError:  # a record from before these checks: the cause alone
         return []
     s3_objects = {f"s3://{bucket}/{key}" for bucket, key in _S3_OBJECT.findall(text)}
     mentioned = [ref for ref in refs if ref.uri in text or ref.uri in s3_objects]

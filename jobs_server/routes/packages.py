@@ -24,6 +24,8 @@ async def get_package(request: web.Request) -> web.Response:
 
 @routes.put("/api/packages/{protocol}/{package_name}", name="upload_package")
 async def upload_package(request: web.Request) -> web.Response:
+    """Store the whole body as the package, or nothing: it is read in full (a client that goes
+    away half-way never reaches the store) and checked before one write."""
     uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
     max_bytes = request.app[SETTINGS_KEY].max_package_bytes
     if request.content_length is not None and request.content_length > max_bytes:
