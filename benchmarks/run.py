@@ -93,7 +93,7 @@ METHOD_NOTES = [
     "retried every 10 ms). One job at a time.",
     "Large log: the job writes exactly N bytes of base64 text and ends; then each reader reads "
     "the whole log once. The JSON GET's log must be whole lines of the server's own (Ray writes "
-    "two before the job's output) followed by exactly the job's N bytes, and every other reader "
+    "a few before the job's output) followed by exactly the job's N bytes, and every other reader "
     "must return as many bytes; otherwise the row says error. Throughput is the log's bytes over "
     "the time from sending the request to the end of the body (for the websocket, to the "
     "server's close; Ray's tail waits for its 1 s poll to see the job ended). Peak RSS growth "
@@ -136,16 +136,20 @@ class Sizes:
     first_line_jobs: int
     big_log_bytes: int
 
-    def describe(self) -> str:
-        """The sizes in words, for the report."""
+    def describe(self, only: str | None = None) -> str:
+        """The sizes in words, for the report (those of one group's scenarios, or all)."""
         at_scale = f"{self.list_at_scale} jobs" if self.list_at_scale else "skipped"
-        return (
-            f"{self.sequential_jobs} sequential jobs, a burst of {self.burst_jobs}, "
+        big_log = f"a {self.big_log_bytes / 2**20:.0f} MiB log"
+        by_group = {
+            "jobs": f"{self.sequential_jobs} sequential jobs, a burst of {self.burst_jobs}, "
             f"{self.sleeper_jobs} concurrent sleepers, {LISTED_JOBS} jobs listed, "
-            f"{self.concurrent_posts} concurrent POSTs, large list: {at_scale}; "
-            f"{self.tail_lines} tailed log lines, {self.first_line_jobs} first-line jobs, "
-            f"a {self.big_log_bytes / 2**20:.0f} MiB log"
-        )
+            f"{self.concurrent_posts} concurrent POSTs, large list: {at_scale}",
+            "logs": f"{self.tail_lines} tailed log lines, {self.first_line_jobs} first-line jobs, "
+            f"{big_log}",
+            "remote": f"{self.tail_lines} tailed log lines and {big_log} on a worker node, "
+            "a lost worker node per server",
+        }
+        return "; ".join(text for group, text in by_group.items() if only in (None, group))
 
 
 def sizes_for(quick: bool, list_jobs: int) -> Sizes:
@@ -255,11 +259,22 @@ async def measure_all(
         }
         for ctx in contexts.values():
             await warm_up(ctx)
+        measured = still_busy = 0
         for number, scenario in enumerate(scenarios, start=1):
             for server in scenario.servers:
                 ctx = contexts[server]
                 results.record(server, await measure_one(number, scenario, ctx))
-                await settle()
+                measured += 1
+                if not await settle():
+                    still_busy += 1
+    if still_busy:
+        results.note(
+            None,
+            f"after {still_busy} of {measured} measurements the CPUs were still over "
+            f"{SETTLE_CPU_PERCENT:.0f}% busy {SETTLE_TIMEOUT_S:.0f} s later: something else ran "
+            f"on the machine (load average {os.getloadavg()[0]:.1f} at the end), which slows "
+            "both servers",
+        )
     return results
 
 
@@ -268,14 +283,15 @@ SETTLE_CPU_PERCENT = 25.0
 SETTLE_TIMEOUT_S = 60.0
 
 
-async def settle() -> None:
-    """Wait (bounded) until the machine's CPUs are mostly idle."""
+async def settle() -> bool:
+    """Wait (bounded) until the machine's CPUs are mostly idle; False if they never were."""
     deadline_s = time.monotonic() + SETTLE_TIMEOUT_S
     while time.monotonic() < deadline_s:
         busy = await asyncio.to_thread(psutil.cpu_percent, 1.0)
         if busy < SETTLE_CPU_PERCENT:
-            return
+            return True
     logger.info("    the machine is still busy after %.0f s; going on", SETTLE_TIMEOUT_S)
+    return False
 
 
 async def measure_one(number: int, scenario: Scenario, ctx: RunContext) -> dict[str, Figure]:
@@ -309,7 +325,7 @@ def render(
         f"- date: {started.isoformat(timespec='seconds')}",
         f"- machine: {os.cpu_count()} cores",
         f"- command: `{shlex.join(sys.orig_argv)}` (from the repository root)",
-        f"- Ray {importlib.metadata.version('ray')}; sizes: {sizes.describe()}",
+        f"- Ray {importlib.metadata.version('ray')}; sizes: {sizes.describe(only)}",
         *([f"- only the {only} scenarios ran"] if only else []),
         "",
         markdown_table(metrics, results),
@@ -352,7 +368,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     started = datetime.datetime.now().astimezone()
     # Short path: Ray's session directory holds Unix sockets, whose paths are length-limited.
     work_dir = Path(tempfile.mkdtemp(prefix="jobs-bench-", dir="/tmp"))
-    logger.info("work dir %s; sizes: %s", work_dir, sizes.describe())
+    logger.info("work dir %s; sizes: %s", work_dir, sizes.describe(args.only))
     survivors: list[tuple[int, str]] = []
     try:
         with contextlib.ExitStack() as stack:
