@@ -16,6 +16,7 @@ JobsServerError
 ├── PayloadTooLargeError       a body over the configured limit
 ├── UnsupportedMediaTypeError  a body that is not JSON
 └── ClusterUnavailableError    Ray could not be reached
+    └── SupervisorUnreachableError  a job's supervisor cannot be reached (its node may be failing)
 """
 
 from __future__ import annotations
@@ -87,6 +88,10 @@ class PayloadTooLargeError(JobsServerError):
 
 class ClusterUnavailableError(JobsServerError):
     code = "cluster_unavailable"
+
+
+class SupervisorUnreachableError(ClusterUnavailableError):
+    code = "supervisor_unreachable"
 
 
 class UnsupportedMediaTypeError(JobsServerError):

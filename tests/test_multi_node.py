@@ -475,3 +475,32 @@ async def test_a_restarted_server_resumes_pulling_without_gaps_or_repeats(
         assert (log_dir / f"job-driver-{job_id}.log").read_text() == expected
     finally:
         stop_process_group(second)
+
+
+async def test_stopping_a_job_whose_node_does_not_answer_is_a_clean_503(
+    http: aiohttp.ClientSession,
+) -> None:
+    job_id = await submit(
+        http,
+        entrypoint="sleep 600",
+        entrypoint_resources={WORKER_RESOURCE: 1},
+    )
+    job = await wait_for_job(http, job_id, {"RUNNING"})
+    # The supervisor stops answering, as on a node that hangs or whose network is cut.
+    supervisor = psutil.Process(int(job["driver_info"]["pid"])).parent()
+    assert supervisor is not None
+    assert "ray::" in " ".join(supervisor.cmdline())
+    supervisor.suspend()
+    try:
+        async with http.post(f"/api/jobs/{job_id}/stop") as response:
+            assert response.status == 503, await response.text()
+            error = (await response.json())["error"]
+        assert error["code"] == "supervisor_unreachable"
+        assert job["driver_node_id"] in error["message"]
+        assert (await get_job(http, job_id))["status"] == "RUNNING"
+    finally:
+        supervisor.resume()
+    async with http.post(f"/api/jobs/{job_id}/stop") as response:
+        assert response.status == 200
+        assert (await response.json())["stopped"] is True
+    assert (await wait_for_job(http, job_id))["status"] == "STOPPED"

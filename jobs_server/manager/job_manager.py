@@ -8,6 +8,7 @@ import logging
 import re
 import secrets
 import string
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from jobs_server.errors import (
     JobNotFoundError,
     JobNotTerminalError,
     PackageNotFoundError,
+    SupervisorUnreachableError,
 )
 from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
 from jobs_server.manager.kv import GcsKv
@@ -55,6 +57,8 @@ SUBMISSION_ID_PREFIX = "raysubmit_"
 LOG_PULL_FINISH_S = 10.0
 # How often a supervisor that cannot be reached is asked again, until Ray says it is dead.
 SUPERVISOR_UNAVAILABLE_RETRY_S = 1.0
+# How long a stop request waits for an unreachable supervisor before answering 503.
+STOP_UNREACHABLE_WAIT_S = 5.0
 _SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -218,7 +222,7 @@ class JobManager:
         name = record.supervisor_name or self._supervisors.name_for(record.spec)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
         if record.status is JobStatus.RUNNING and supervisor is not None:
-            await supervisor.stop_job.remote(submission_id, grace_period_s)
+            await self._ask_to_stop(record, supervisor, grace_period_s)
             return True
         # The command has not started: it never will. A supervisor that is starting it right
         # now finds the record terminal and stops it.
@@ -230,6 +234,30 @@ class JobManager:
         elif supervisor is not None:
             await supervisor.stop_job.remote(submission_id, 0)
         return True
+
+    async def _ask_to_stop(
+        self, record: JobRecord, supervisor: Any, grace_period_s: float | None
+    ) -> None:
+        """Ask a running job's supervisor to stop it, waiting a little for one that cannot be
+        reached (or does not answer); a supervisor that died took the job's processes with it."""
+        deadline = time.monotonic() + STOP_UNREACHABLE_WAIT_S
+        while True:
+            try:
+                await asyncio.wait_for(
+                    supervisor.stop_job.remote(record.submission_id, grace_period_s),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                return
+            except ActorDiedError:
+                return  # its watcher records how the job ended
+            except (ActorUnavailableError, TimeoutError) as error:
+                if time.monotonic() >= deadline:
+                    raise SupervisorUnreachableError(
+                        f"The supervisor of job {record.submission_id!r} on node "
+                        f"{record.driver_node_id} cannot be reached now (its node may be "
+                        "failing); the job was not asked to stop. Try again."
+                    ) from error
+                await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
 
     async def delete_job(self, submission_id: str) -> None:
         """Forget a job that has ended: its record and its log file."""
