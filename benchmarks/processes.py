@@ -28,7 +28,7 @@ import psutil
 logger = logging.getLogger(__name__)
 
 RAY_NODE_IP = "127.0.0.2"
-# Worker nodes' addresses: distinct from the head's, and from those the tests' clusters use.
+# The remote scenarios' worker node: an address distinct from the head's and from the tests'.
 WORKER_NODE_IP = "127.0.0.31"
 HTTP_HOST = "127.0.0.1"
 RAY_BIN = Path(sys.executable).parent / "ray"
@@ -57,7 +57,7 @@ class RayHead:
     dashboard_url: str
     temp_dir: Path
     pid: int
-    # The run's work dir: worker nodes' temp dirs go under it.
+    # The run's work dir: worker nodes' own directories (and logs) go under it.
     work_dir: Path
 
 
