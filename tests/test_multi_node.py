@@ -46,6 +46,8 @@ class RayNode:
     process: subprocess.Popen[bytes]
     ip: str
     log_path: Path
+    temp_dir: Path | None = None
+    """The node's TMPDIR, where supervisors there spool job logs (worker nodes only)."""
 
     def wait_until_started(self) -> None:
         wait_until(
@@ -87,7 +89,11 @@ sys.meta_path.insert(0, _NotInstalled())
 
 
 def start_ray_node(
-    args: list[str], ip: str, log_path: Path, env: dict[str, str] | None = None
+    args: list[str],
+    ip: str,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    temp_dir: Path | None = None,
 ) -> RayNode:
     """`ray start --block ARGS` in a process group of its own."""
     with log_path.open("ab") as log:
@@ -105,7 +111,7 @@ def start_ray_node(
             env=env,
             start_new_session=True,
         )
-    return RayNode(process, ip, log_path)
+    return RayNode(process, ip, log_path, temp_dir)
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ class MultiNodeCluster:
     gcs_address: str
     tmp_dir: Path
     worker_temp_dirs: list[str] = field(default_factory=list)
+    workers: list[RayNode] = field(default_factory=list)
 
     def add_worker(self, ip: str, resources: dict[str, float]) -> RayNode:
         """A worker node with a Ray temp dir of its own (as on another machine), started."""
@@ -120,6 +127,9 @@ class MultiNodeCluster:
         temp_dir = tempfile.mkdtemp(prefix="jsw", dir="/tmp")
         site_dir = Path(temp_dir) / "site"
         site_dir.mkdir()
+        # The node's own temp dir, as on another machine (and removed with it).
+        node_tmp = Path(temp_dir) / "tmp"
+        node_tmp.mkdir()
         (site_dir / "sitecustomize.py").write_text(JOBS_SERVER_IS_NOT_INSTALLED_HERE)
         node = start_ray_node(
             [
@@ -130,9 +140,11 @@ class MultiNodeCluster:
             ],
             ip,
             self.tmp_dir / f"worker-{ip}-{Path(temp_dir).name}.log",
-            env={**os.environ, "PYTHONPATH": str(site_dir)},
+            env={**os.environ, "PYTHONPATH": str(site_dir), "TMPDIR": str(node_tmp)},
+            temp_dir=node_tmp,
         )
         self.worker_temp_dirs.append(temp_dir)
+        self.workers.append(node)
         node.wait_until_started()
         return node
 
@@ -173,14 +185,10 @@ class Server:
     log_dir: Path
     namespace: str
 
-    def spool_path(self, job_id: str) -> Path:
-        """Where a supervisor on a worker node of this machine spools the job's log."""
-        return (
-            Path(tempfile.gettempdir())
-            / "jobs_server_spool"
-            / self.namespace
-            / f"job-driver-{job_id}.log"
-        )
+    def spool_path(self, node: RayNode, job_id: str) -> Path:
+        """Where a supervisor on the worker `node` spools the job's log."""
+        assert node.temp_dir is not None
+        return node.temp_dir / "jobs_server_spool" / self.namespace / f"job-driver-{job_id}.log"
 
 
 def start_server(
@@ -312,7 +320,7 @@ BURST_THEN_SLOW_OUTPUT = "".join(f"burst {i:08d}\n" for i in range(BURST_LINES))
 
 
 async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_head(
-    http: aiohttp.ClientSession, server: Server
+    http: aiohttp.ClientSession, server: Server, cluster: MultiNodeCluster
 ) -> None:
     job_id = await submit(
         http, entrypoint=BURST_THEN_SLOW, entrypoint_resources={WORKER_RESOURCE: 1}
@@ -326,7 +334,7 @@ async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_hea
     assert running["status"] == "RUNNING"  # for 1.5 s at least: its slow lines
     assert running["driver_info"]["node_ip_address"] == WORKER_IP
     # The worker writes to a spool on its own disk; only the server writes the head's file.
-    assert server.spool_path(job_id).exists()
+    assert server.spool_path(cluster.workers[0], job_id).exists()
     job = await wait_for_job(http, job_id)
     assert job["status"] == "SUCCEEDED", job
     assert job["driver_info"]["node_ip_address"] == WORKER_IP
@@ -336,7 +344,9 @@ async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_hea
     assert await read_all_logs(http, job_id) == BURST_THEN_SLOW_OUTPUT
     head_log = server.log_dir / f"job-driver-{job_id}.log"
     assert head_log.read_text() == BURST_THEN_SLOW_OUTPUT
-    assert not server.spool_path(job_id).exists()  # pulled to the end, then removed
+    assert not server.spool_path(
+        cluster.workers[0], job_id
+    ).exists()  # pulled to the end, then removed
 
 
 async def test_worker_nodes_cannot_import_jobs_server(http: aiohttp.ClientSession) -> None:
