@@ -57,7 +57,8 @@ def describe_wait(requested: dict[str, float], snapshot: ResourceSnapshot) -> st
         return None
     asked = _format(requested)
     has = ", ".join(
-        f"{name} {snapshot.total.get(name, 0.0):g} ({snapshot.available.get(name, 0.0):g} free)"
+        f"{name} {_amount(name, snapshot.total.get(name, 0.0))} "
+        f"({_amount(name, snapshot.available.get(name, 0.0))} free)"
         for name in requested
     )
     if not snapshot.fits_some_node(requested):
@@ -71,7 +72,17 @@ def describe_wait(requested: dict[str, float], snapshot: ResourceSnapshot) -> st
 
 
 def _format(resources: dict[str, float]) -> str:
-    return ", ".join(f"{name} {amount:g}" for name, amount in resources.items())
+    return ", ".join(f"{name} {_amount(name, amount)}" for name, amount in resources.items())
+
+
+# Ray counts these in bytes.
+_BYTE_RESOURCES = frozenset({"memory", "object_store_memory"})
+
+
+def _amount(name: str, amount: float) -> str:
+    if name in _BYTE_RESOURCES:
+        return f"{amount / 2**30:.3g} GiB"
+    return f"{amount:g}"
 
 
 class ClusterResources:
