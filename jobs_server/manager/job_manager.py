@@ -5,11 +5,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 import string
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,7 @@ from jobs_server.manager.log_shipping import pull_spooled_log
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.runtime_env_failures import describe_setup_failure
+from jobs_server.manager.runtime_env_failures import describe_setup_failure, strip_ansi
 from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor import SupervisedJob
@@ -392,27 +391,19 @@ class JobManager:
                 await supervisor.stop_job.remote(submission_id, 0)
 
     async def _wait_for_end(self, submission_id: str, supervisor: Any, finished: Any) -> None:
-        """Await `finished`; while the supervisor cannot be reached (its node may be going),
-        ask again until Ray knows it is alive (the job goes on) or dead (ActorDiedError)."""
-        while True:
-            try:
-                await finished
-                return
-            except ActorUnavailableError:
-                await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
-                finished = supervisor.wait_job.remote(submission_id)
+        """Await `finished`, asking the supervisor again while it cannot be reached."""
+        await _while_unreachable(finished, lambda: supervisor.wait_job.remote(submission_id))
 
     async def _pull_log(self, submission_id: str, supervisor: Any) -> None:
         """Bring the log of a job on another node to the head, until all of it is here or its
         supervisor is gone (with its node: what was pulled until then stays)."""
 
         async def read_chunk(offset: int) -> tuple[bytes, bool]:
-            while True:
-                try:
-                    data, complete = await supervisor.read_spooled_log.remote(submission_id, offset)
-                    return data, complete
-                except ActorUnavailableError:
-                    await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+            def call() -> Any:
+                return supervisor.read_spooled_log.remote(submission_id, offset)
+
+            data, complete = await _while_unreachable(call(), call)
+            return data, complete
 
         try:
             await pull_spooled_log(read_chunk, job_log_path(self._log_dir, submission_id))
@@ -481,6 +472,19 @@ class JobManager:
         return record if waiting_for is None else record.with_changes(message=waiting_for)
 
 
+async def _while_unreachable(first_call: Any, call_again: Callable[[], Any]) -> Any:
+    """The result of a supervisor call (`first_call`, an ObjectRef); while the supervisor cannot
+    be reached (its node may be going), `call_again` every SUPERVISOR_UNAVAILABLE_RETRY_S until
+    Ray knows it is alive (an answer) or dead (ActorDiedError)."""
+    pending = first_call
+    while True:
+        try:
+            return await pending
+        except ActorUnavailableError:
+            await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+            pending = call_again()
+
+
 class JobStartTimeoutError(Exception):
     """The job's supervisor did not start its command within the start timeout."""
 
@@ -503,10 +507,7 @@ async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLo
                 ) from None
 
 
-_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
-
-
 def _first_line(error: BaseException) -> str:
     """Ray's actor errors carry colour codes and tracebacks; a status message wants one line."""
-    text = _ANSI_ESCAPE.sub("", str(error)).strip()
+    text = strip_ansi(str(error)).strip()
     return text.splitlines()[0] if text else type(error).__name__

@@ -11,13 +11,13 @@ reader who sees the job end finds every byte in the head's file.
 from __future__ import annotations
 
 import asyncio
-import os
+import contextlib
 import tempfile
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import BinaryIO
 
-from jobs_server.manager.logs import LOG_POLL_INTERVAL_S, log_size
+from jobs_server.manager.logs import log_size, read_log_chunks
 
 # One pull's most bytes: large enough that a burst of many MB crosses in few actor calls.
 LOG_SHIP_CHUNK_BYTES = 4 * 1024 * 1024
@@ -33,15 +33,6 @@ def spool_path(namespace: str, log_name: str) -> Path:
     return Path(tempfile.gettempdir()) / "jobs_server_spool" / namespace / log_name
 
 
-def _read_at(path: Path, offset: int, max_bytes: int) -> bytes:
-    try:
-        with path.open("rb") as spool:
-            spool.seek(offset)
-            return spool.read(max_bytes)
-    except FileNotFoundError:
-        return b""
-
-
 async def read_spool_chunk(
     path: Path,
     offset: int,
@@ -52,17 +43,24 @@ async def read_spool_chunk(
 ) -> tuple[bytes, bool]:
     """The spool's bytes from `offset` (waiting up to `wait_s` for some), and whether that is
     all there will ever be: the command had ended and nothing is left after `offset`."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        # Asked before looking: bytes written before the command ended are all seen after it.
-        ended = command_ended()
-        if log_size(path) > offset:
-            return await asyncio.to_thread(_read_at, path, offset, max_bytes), False
-        if ended:
-            return b"", True
-        if time.monotonic() >= deadline:
-            return b"", False
-        await asyncio.sleep(LOG_POLL_INTERVAL_S)
+
+    async def ended() -> bool:
+        return command_ended()
+
+    # The log reader's follow mode, stopped at its first chunk: bytes, an idle tick (nothing new
+    # within `wait_s`), or the end, which it reports only after one more read past the command's.
+    chunks = read_log_chunks(
+        path,
+        offset=offset,
+        follow=True,
+        job_is_terminal=ended,
+        idle_tick_s=wait_s,
+        chunk_bytes=max_bytes,
+    )
+    async with contextlib.aclosing(chunks):
+        async for chunk in chunks:
+            return chunk.data, False
+    return b"", True
 
 
 async def pull_spooled_log(
@@ -73,24 +71,25 @@ async def pull_spooled_log(
     The head's file is append-only and only this pull writes it, so its size is where the next
     chunk goes: a restarted server resumes where the last one stopped, without gaps or repeats.
     """
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     offset = await asyncio.to_thread(log_size, log_path)
-    log_fd = await asyncio.to_thread(
-        os.open, log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644
-    )
+    log_file = await asyncio.to_thread(_open_for_append, log_path)
     try:
         while True:
             data, complete = await read_chunk(offset)
             if data:
-                await asyncio.to_thread(_write_all, log_fd, data)
+                await asyncio.to_thread(_append, log_file, data)
                 offset += len(data)
             if complete:
                 return
     finally:
-        os.close(log_fd)
+        log_file.close()
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def _open_for_append(path: Path) -> BinaryIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path.open("ab")
+
+
+def _append(log_file: BinaryIO, data: bytes) -> None:
+    log_file.write(data)
+    log_file.flush()  # readers of the head's file see each chunk as it arrives

@@ -69,6 +69,7 @@ async def read_log_chunks(
     follow: bool = False,
     job_is_terminal: Callable[[], Awaitable[bool]] | None = None,
     idle_tick_s: float | None = None,
+    chunk_bytes: int = LOG_CHUNK_BYTES,
 ) -> AsyncGenerator[LogChunk, None]:
     """Yield the log from `offset`, at most `limit` bytes, in chunks.
 
@@ -76,7 +77,8 @@ async def read_log_chunks(
     grows until `job_is_terminal()` says the job ended *and* everything written before that has
     been read, so the last lines are never dropped. While following, an empty chunk is yielded
     every `idle_tick_s` without new bytes, so a caller can send a heartbeat or notice that its
-    client left. A missing file is an empty log (the job has not started yet).
+    client left. A missing file is an empty log (the job has not started yet). A chunk holds at
+    most `chunk_bytes`.
     """
     log_file: BinaryIO | None = None
     remaining = limit
@@ -88,7 +90,7 @@ async def read_log_chunks(
                 log_file = await asyncio.to_thread(_open_at, path, offset)
             data = b""
             if log_file is not None and _has_bytes_after(log_file, offset):
-                size = LOG_CHUNK_BYTES if remaining is None else min(LOG_CHUNK_BYTES, remaining)
+                size = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
                 data = await asyncio.to_thread(log_file.read, size)
             if data:
                 yield LogChunk(offset, data)

@@ -18,6 +18,13 @@ from jobs_server.manager.runtime_envs import PackageRef, package_refs
 MAX_CAUSE_CHARS = 500
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def strip_ansi(text: str) -> str:
+    """Ray's error texts carry terminal colour codes; a status message does not."""
+    return _ANSI_ESCAPE.sub("", text)
+
+
 # The line that ends a Python traceback: `module.Name: message`, or a bare `Name`.
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?::\s.*)?$")
 _NODE = re.compile(r"\[Node ([^\]\s]+)\]")
@@ -84,7 +91,7 @@ _CAUSES: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
 
 def describe_setup_failure(error_text: str, runtime_env: dict[str, Any]) -> str:
     """`Runtime env setup failed: <field> '<uri>': <cause> (on node <ip>).`, on one line."""
-    text = _ANSI_ESCAPE.sub("", error_text)
+    text = strip_ansi(error_text)
     parts = _failed_parts(text, runtime_env)
     message = "Runtime env setup failed: "
     if parts:
