@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import ray
 import requests
+from aiohttp import ClientSession
 from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
@@ -174,26 +175,32 @@ def kill_actors_in_namespace(namespace: str) -> None:
                 ray.kill(ray.get_actor(actor["name"], namespace=namespace))
 
 
+# A test client of an app, or a session with the base URL of a server process.
+HttpClient = TestClient[Any, Any] | ClientSession
+
+
 async def wait_for_status(
-    client: TestClient[Any, Any],
+    client: HttpClient,
     job_id: str,
     statuses: set[str] = TERMINAL_STATUSES,
     timeout_s: float = 60,
+    message_part: str = "",
 ) -> dict[str, Any]:
-    """Poll the job until its status is one of `statuses`; return its details."""
+    """Poll the job until its status is one of `statuses` (and its message holds
+    `message_part`); return its details."""
     deadline = time.monotonic() + timeout_s
     job: dict[str, Any] = {}
     while time.monotonic() < deadline:
         response = await client.get(f"/api/jobs/{job_id}")
         assert response.status == 200, await response.text()
         job = await response.json()
-        if job["status"] in statuses:
+        if job["status"] in statuses and message_part in (job["message"] or ""):
             return job
         await asyncio.sleep(0.05)
     raise AssertionError(f"job {job_id} still {job.get('status')} after {timeout_s}s: {job}")
 
 
-async def submit(client: TestClient[Any, Any], **body: Any) -> str:
+async def submit(client: HttpClient, **body: Any) -> str:
     response = await client.post("/api/jobs/", json=body)
     assert response.status == 200, await response.text()
     submitted = await response.json()
@@ -201,7 +208,7 @@ async def submit(client: TestClient[Any, Any], **body: Any) -> str:
     return str(submitted["submission_id"])
 
 
-async def job_logs(client: TestClient[Any, Any], job_id: str) -> str:
+async def job_logs(client: HttpClient, job_id: str) -> str:
     response = await client.get(f"/api/jobs/{job_id}/logs")
     assert response.status == 200, await response.text()
     return str((await response.json())["logs"])

@@ -4,6 +4,7 @@ job's log ends up in the server's log directory on the head, also when its node 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -11,7 +12,6 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -26,9 +26,12 @@ from tests.conftest import (
     RAY_BIN,
     TERMINAL_STATUSES,
     free_port,
+    job_logs,
     start_jobs_server,
     stop_process_group,
+    submit,
     wait_for_server,
+    wait_for_status,
     wait_until,
 )
 from tests.test_logs import parse_sse
@@ -237,12 +240,6 @@ async def http(server: Server) -> AsyncIterator[aiohttp.ClientSession]:
         yield session
 
 
-async def submit(http: aiohttp.ClientSession, **body: Any) -> str:
-    async with http.post("/api/jobs/", json=body) as response:
-        assert response.status == 200, await response.text()
-        return str((await response.json())["submission_id"])
-
-
 async def get_job(http: aiohttp.ClientSession, job_id: str) -> dict[str, Any]:
     async with http.get(f"/api/jobs/{job_id}") as response:
         assert response.status == 200, await response.text()
@@ -250,27 +247,8 @@ async def get_job(http: aiohttp.ClientSession, job_id: str) -> dict[str, Any]:
         return job
 
 
-async def wait_for_job(
-    http: aiohttp.ClientSession,
-    job_id: str,
-    statuses: set[str] = TERMINAL_STATUSES,
-    timeout_s: float = 120,
-    message_part: str = "",
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        job = await get_job(http, job_id)
-        if job["status"] in statuses and message_part in (job["message"] or ""):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job {job_id} is still {job.get('status')} after {timeout_s} s: {job}")
-
-
-async def read_all_logs(http: aiohttp.ClientSession, job_id: str) -> str:
-    async with http.get(f"/api/jobs/{job_id}/logs") as response:
-        assert response.status == 200
-        return str((await response.json())["logs"])
+# Jobs on worker nodes start a Ray worker there first, and a lost node takes Ray a while to see.
+wait_for_job = functools.partial(wait_for_status, timeout_s=120)
 
 
 async def follow_text(http: aiohttp.ClientSession, job_id: str) -> str:
@@ -341,7 +319,7 @@ async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_hea
     assert job["driver_node_id"] == running["driver_node_id"]
     for followed in await asyncio.gather(*followers):
         assert followed == BURST_THEN_SLOW_OUTPUT
-    assert await read_all_logs(http, job_id) == BURST_THEN_SLOW_OUTPUT
+    assert await job_logs(http, job_id) == BURST_THEN_SLOW_OUTPUT
     head_log = server.log_dir / f"job-driver-{job_id}.log"
     assert head_log.read_text() == BURST_THEN_SLOW_OUTPUT
     assert not server.spool_path(
@@ -359,7 +337,7 @@ async def test_worker_nodes_cannot_import_jobs_server(http: aiohttp.ClientSessio
     job = await wait_for_job(http, job_id)
     assert job["status"] == "FAILED"
     assert job["driver_info"]["node_ip_address"] == WORKER_IP
-    assert "No module named 'jobs_server' on this node" in await read_all_logs(http, job_id)
+    assert "No module named 'jobs_server' on this node" in await job_logs(http, job_id)
 
 
 async def test_jobs_without_resources_stay_on_the_head_node(http: aiohttp.ClientSession) -> None:
@@ -373,7 +351,7 @@ async def test_jobs_without_resources_stay_on_the_head_node(http: aiohttp.Client
         job = await wait_for_job(http, job_id)
         assert job["status"] == "SUCCEEDED", job
         assert job["driver_info"]["node_ip_address"] == HEAD_IP
-        assert await read_all_logs(http, job_id) == output
+        assert await job_logs(http, job_id) == output
 
 
 async def test_a_pending_job_says_which_resources_it_waits_for(
@@ -446,7 +424,7 @@ async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
         assert "node the job ran on was lost" in job["message"]
         assert running["driver_node_id"] in job["message"]
         wait_until(lambda: not any(map(_is_running, job_pids)), 60, "the job's processes to end")
-        assert await read_all_logs(http, job_id) == expected
+        assert await job_logs(http, job_id) == expected
         assert (server.log_dir / f"job-driver-{job_id}.log").read_text() == expected
     finally:
         stop_process_group(doomed.process, timeout_s=5)
