@@ -64,9 +64,12 @@ class Supervisors:
         handles = [self._shared(name) for name in self._shared_names]
         await asyncio.gather(*(handle.ping.remote() for handle in handles))
 
-    def name_for(self, spec: JobSpec) -> str:
+    def name_for(self, spec: JobSpec, run_id: str) -> str:
+        """A shared supervisor's name, or a new one for a supervisor of the job's own: that name
+        carries the run, since a killed actor's name is freed only some time after `ray.kill`
+        (a deleted id submitted again at once gets another name)."""
         if spec.needs_own_supervisor() or not self._shared_names:
-            return f"{_DEDICATED_PREFIX}{spec.submission_id}"
+            return f"{_DEDICATED_PREFIX}{spec.submission_id}:{run_id}"
         return next(self._round_robin)
 
     def create(self, name: str, spec: JobSpec) -> Any:
