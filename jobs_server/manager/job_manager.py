@@ -80,8 +80,6 @@ class JobManager:
         shared_supervisors: int = 1,
     ) -> None:
         self._log_dir = log_dir
-        self._stop_grace_s = stop_grace_s
-        self._job_start_timeout_s = job_start_timeout_s
         self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
         self._packages = PackageLookup(gcs_address)
         # The server's node: its log directory is where every job's log ends up.

@@ -125,8 +125,25 @@ class JobStore:
                 return
             self._deleted_while_indexing.clear()
             keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
+            keys += await self._kv.keys_with_prefix(_END_KEY_PREFIX)
+            values = await self._kv.get_many(keys)
+            ends = {
+                (record.submission_id, record.run_id): record
+                for record in (
+                    JobRecord.model_validate_json(value)
+                    for key, value in values.items()
+                    if key.startswith(_END_KEY_PREFIX)
+                )
+            }
             records = sorted(
-                map(JobRecord.model_validate_json, (await self._kv.get_many(keys)).values()),
+                (
+                    ends.get((record.submission_id, record.run_id), record)
+                    for record in (
+                        JobRecord.model_validate_json(value)
+                        for key, value in values.items()
+                        if key.startswith(_JOB_KEY_PREFIX)
+                    )
+                ),
                 key=lambda record: (record.start_time or 0, record.submission_id),
             )
             runs = {
@@ -139,6 +156,8 @@ class JobStore:
                 runs[job_id] = run_id
             self._runs = runs
             self._indexed = True
+            for record in records:
+                self._remember(record)
 
     async def delete(self, record: JobRecord) -> None:
         """Forget the job's run `record`: its live record and its end."""
