@@ -372,3 +372,36 @@ async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection:
         ):
             wrong.append((final.submission_id, [r.status for r in written], final.status))
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
+
+
+async def test_jobs_created_while_the_first_list_indexes_are_listed(ray_connection: str) -> None:
+    """Item 2, at the store: creates racing with the list that builds the index, and with the
+    lists after it, are in every list that begins after they were created."""
+    namespace = f"index_{uuid.uuid4().hex[:8]}"
+    seed = JobStore(GcsKv(ray_connection, namespace))
+    for index in range(100):  # something to index
+        spec = JobSpec(entrypoint="true", submission_id=f"old-{index:03d}")
+        await seed.create(JobRecord(spec=spec, start_time=now_ms()))
+    store = JobStore(GcsKv(ray_connection, namespace), cache_terminal=True)
+    created: list[str] = []
+
+    async def create(index: int) -> None:
+        await asyncio.sleep(index * 0.003)  # spread over the lists
+        spec = JobSpec(entrypoint="true", submission_id=f"new-{index:03d}")
+        await store.create(JobRecord(spec=spec, start_time=now_ms()))
+        created.append(spec.submission_id)
+
+    lists: list[tuple[list[str], set[str]]] = []
+
+    async def list_meanwhile() -> None:
+        while len(created) < 100:
+            before = list(created)
+            lists.append((before, {record.submission_id for record in await store.list()}))
+
+    await asyncio.gather(
+        *(create(index) for index in range(100)), list_meanwhile(), list_meanwhile()
+    )
+    lists.append((list(created), {record.submission_id for record in await store.list()}))
+    for before, listed in lists:
+        assert set(before) <= listed, (len(lists), sorted(set(before) - listed)[:10])
+    assert len(lists[-1][1]) == 200
