@@ -195,20 +195,8 @@ class JobWatchers:
                 return JobFailure(
                     JobErrorType.JOB_SUPERVISOR_ACTOR_DIED, await self._died_message(record, error)
                 )
-            except JobStartTimeoutError as error:
-                return JobFailure(JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT, str(error))
-            except RuntimeEnvSetupError as error:
-                # Ray's text is the agent's whole traceback; the status says what and why.
-                logger.info("job %s: Ray's runtime env error: %s", record.submission_id, error)
-                return JobFailure(
-                    JobErrorType.RUNTIME_ENV_SETUP_FAILURE,
-                    describe_setup_failure(str(error), record.spec.runtime_env),
-                )
-            except ActorUnschedulableError as error:
-                return JobFailure(
-                    JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE,
-                    f"The job cannot be scheduled: {error}",
-                )
+            except (JobStartTimeoutError, RuntimeEnvSetupError, ActorUnschedulableError) as error:
+                return _start_failure(record, error)
             if log_pull is not None:
                 # Every byte pulled is on the head before anyone sees the job end.
                 await asyncio.wait({log_pull}, timeout=LOG_PULL_FINISH_S)
@@ -377,6 +365,25 @@ class JobWatchers:
                 await supervisor.stop_job.remote(record.submission_id, 0)
             except Exception:
                 logger.warning("calling off job %s failed", record.submission_id, exc_info=True)
+
+
+def _start_failure(
+    record: JobRecord,
+    error: JobStartTimeoutError | RuntimeEnvSetupError | ActorUnschedulableError,
+) -> JobFailure:
+    """Why the job never started, in Ray's terms."""
+    if isinstance(error, JobStartTimeoutError):
+        return JobFailure(JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT, str(error))
+    if isinstance(error, RuntimeEnvSetupError):
+        # Ray's text is the agent's whole traceback; the status says what and why.
+        logger.info("job %s: Ray's runtime env error: %s", record.submission_id, error)
+        return JobFailure(
+            JobErrorType.RUNTIME_ENV_SETUP_FAILURE,
+            describe_setup_failure(str(error), record.spec.runtime_env),
+        )
+    return JobFailure(
+        JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE, f"The job cannot be scheduled: {error}"
+    )
 
 
 async def _while_unreachable(first_call: Any, call_again: Callable[[], Any]) -> Any:
