@@ -97,26 +97,31 @@ class JobStore:
             await self._index()
         # Ids created while the KV is read are not in this list (it began before their
         # creation was answered), and are not dropped from the index either.
-        runs = list(self._runs.items())
-        unknown = [(job_id, run_id) for job_id, run_id in runs if job_id not in self._terminal]
+        runs = self._runs.copy()
+        terminal = self._terminal
+        unknown = [job_id for job_id in runs if job_id not in terminal]
         values = await self._kv.get_many(
-            [_job_key(job_id) for job_id, _ in unknown]
-            + [_end_key(job_id, run_id) for job_id, run_id in unknown]
+            [_job_key(job_id) for job_id in unknown]
+            + [_end_key(job_id, runs[job_id]) for job_id in unknown]
         )
-        records = []
-        for job_id, run_id in runs:
-            record = self._terminal.get(job_id)
-            if record is None:
-                live = values.get(_job_key(job_id))
-                if live is None:
-                    if self._runs.get(job_id) == run_id:  # deleted meanwhile
-                        del self._runs[job_id]
-                    continue
-                record = JobRecord.model_validate_json(live)
-                if record.run_id == run_id:
-                    record = self._remember(_overlay(record, values.get(_end_key(job_id, run_id))))
-            records.append(record)
-        return records
+        fetched: dict[str, JobRecord] = {}
+        for job_id in unknown:
+            live = values.get(_job_key(job_id))
+            if live is None:
+                if self._runs.get(job_id) == runs[job_id]:  # deleted meanwhile
+                    del self._runs[job_id]
+                continue
+            record = JobRecord.model_validate_json(live)
+            if record.run_id == runs[job_id]:
+                record = self._remember(
+                    _overlay(record, values.get(_end_key(job_id, runs[job_id])))
+                )
+            fetched[job_id] = record
+        return [
+            listed
+            for job_id in runs
+            if (listed := terminal.get(job_id) or fetched.get(job_id)) is not None
+        ]
 
     async def _index(self) -> None:
         """Read every record once and index them (the only full read of the namespace)."""
