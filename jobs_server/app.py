@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp_cors
 from aiohttp import web
 
-from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.auth import AccessPolicy, resolve_auth_token
+from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
     CLUSTER_INFO_KEY,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.auth import AccessPolicy
+from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.manager import ClusterInfo, JobManager, PackageStore
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings

@@ -185,6 +185,7 @@ async def wait_for_status(
     statuses: set[str] = TERMINAL_STATUSES,
     timeout_s: float = 60,
     message_part: str = "",
+    poll_s: float = 0.05,
 ) -> dict[str, Any]:
     """Poll the job until its status is one of `statuses` (and its message holds
     `message_part`); return its details."""
@@ -196,7 +197,7 @@ async def wait_for_status(
         job = await response.json()
         if job["status"] in statuses and message_part in (job["message"] or ""):
             return job
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(poll_s)
     raise AssertionError(f"job {job_id} still {job.get('status')} after {timeout_s}s: {job}")
 
 

@@ -66,11 +66,12 @@ async def wait_until_dead(pids: list[int], timeout_s: float = 10) -> None:
 
 
 def supervisor_actor_exists(settings: Settings, job_id: str) -> bool:
-    try:
-        ray.get_actor(f"jobs_server_supervisor:{job_id}", namespace=settings.namespace)
-    except ValueError:
-        return False
-    return True
+    # A job's own supervisor is named for the job and its run.
+    return any(
+        actor["namespace"] == settings.namespace
+        and actor["name"].startswith(f"jobs_server_supervisor:{job_id}:")
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+    )
 
 
 # A job that leaves a process of every kind behind it: a child with a grandchild, a process in

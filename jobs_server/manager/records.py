@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 from enum import StrEnum
 from typing import Any
 
@@ -36,6 +37,11 @@ class JobErrorType(StrEnum):
     JOB_SUPERVISOR_ACTOR_DIED = "JOB_SUPERVISOR_ACTOR_DIED"
     JOB_ENTRYPOINT_COMMAND_START_ERROR = "JOB_ENTRYPOINT_COMMAND_START_ERROR"
     JOB_ENTRYPOINT_COMMAND_ERROR = "JOB_ENTRYPOINT_COMMAND_ERROR"
+
+
+def new_run_id() -> str:
+    """A new run's id: unique per submission, short enough for actor names and KV keys."""
+    return uuid.uuid4().hex[:16]
 
 
 def now_ms() -> int:
@@ -97,6 +103,12 @@ class JobRecord(BaseModel):
     driver_node_id: str | None = None
     driver_node_ip: str | None = None
     supervisor_name: str | None = None
+    supervisor_actor_id: str | None = None
+    """The incarnation of `supervisor_name` that runs the job (its Ray actor id), written with
+    RUNNING: a new actor under the same name never ran it."""
+    run_id: str = ""
+    """Unique per submission: a deleted and resubmitted id is another run, and nothing of the
+    old run (its end, its supervisor) applies to the new one."""
 
     @property
     def submission_id(self) -> str:

@@ -10,6 +10,7 @@ jobs share its fate: a guardian process kills them if the supervisor dies.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -61,6 +62,8 @@ class SupervisedJob(BaseModel):
     metadata: dict[str, str]
     stop_grace_s: float
     timeout_s: float | None = None
+    run_id: str = ""
+    """The run of `submission_id` this is (see `JobRecord.run_id`)."""
     head_node_id: str | None = None
     """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
     log on its own node for the server to pull. None: this node."""
@@ -107,6 +110,10 @@ class JobSupervisor:
         """The supervisor's process id (for operators and tests)."""
         return os.getpid()
 
+    async def actor_id(self) -> str:
+        """This incarnation's Ray actor id: a new actor under the same name has another."""
+        return str(ray.get_runtime_context().get_actor_id())
+
     async def run_job(self, job_fields: dict[str, Any]) -> JobStatus:
         """Start the job (`SupervisedJob` fields) unless it has started, and return its terminal
         status when it ends."""
@@ -114,11 +121,15 @@ class JobSupervisor:
         # call would cost more than the rest of the submission.
         job = SupervisedJob.model_validate(job_fields)
         run = self._runs.get(job.submission_id)
+        if run is not None and run.job.run_id != job.run_id and run.task is not None:
+            # An earlier run of a deleted and resubmitted id is ending: this one starts after.
+            await asyncio.wait({run.task})
+            run = self._runs.get(job.submission_id)
         if run is None:
             run = _JobRun(job=job, log_path=self._log_path_here(job), stop_grace_s=job.stop_grace_s)
             self._runs[job.submission_id] = run
             run.task = asyncio.create_task(self._run(run))
-            run.task.add_done_callback(lambda _: self._runs.pop(job.submission_id, None))
+            run.task.add_done_callback(functools.partial(self._forget_run, run))
             arrival = self._arrivals.pop(job.submission_id, None)
             if arrival is not None:
                 arrival.set()
@@ -126,12 +137,15 @@ class JobSupervisor:
         # A caller that goes away (a restarting server) must not cancel the job itself.
         return await asyncio.shield(run.task)
 
-    async def wait_job(self, submission_id: str) -> JobStatus:
-        """The terminal status of a job this supervisor runs or ran (for a restarted server)."""
+    async def wait_job(self, submission_id: str, run_id: str | None = None) -> JobStatus | None:
+        """The terminal status of a job this supervisor runs or ran (for a restarted server);
+        None if the job has not ended and this supervisor does not run it (it was another
+        incarnation's: the job's processes died with that one)."""
         run = self._runs.get(submission_id)
-        if run is not None and run.task is not None:
+        if run is not None and run.task is not None and run_id in (None, run.job.run_id):
             return await asyncio.shield(run.task)
-        return (await self._job_store().get(submission_id)).status
+        status = (await self._job_store().get(submission_id, run_id)).status
+        return status if status.is_terminal() else None
 
     async def wait_started(self, submission_id: str) -> bool:
         """Return once the job's command has started, or the job ended without starting; True if
@@ -173,6 +187,10 @@ class JobSupervisor:
         run.stop_requested.set()
         return True
 
+    def _forget_run(self, run: _JobRun, _: object) -> None:
+        if self._runs.get(run.job.submission_id) is run:
+            del self._runs[run.job.submission_id]
+
     def _log_path_here(self, job: SupervisedJob) -> Path:
         """The server's log file if it is on this node, else a spool file of this node's."""
         if job.head_node_id in (None, ray.get_runtime_context().get_node_id()):
@@ -195,8 +213,8 @@ class JobSupervisor:
 
     async def _start_and_wait(self, run: _JobRun) -> JobStatus:
         job, store = run.job, self._job_store()
-        record = await store.get(job.submission_id)
-        if record.status.is_terminal():
+        record = await store.get(job.submission_id, job.run_id)
+        if record.status.is_terminal() or record.run_id != job.run_id:
             return record.status
         self._ensure_guardian()
         job_token = secrets.token_hex(16)
@@ -215,6 +233,7 @@ class JobSupervisor:
             self._spools.pop(job.submission_id, None)
             failed = await store.update(
                 job.submission_id,
+                job.run_id,
                 status=JobStatus.FAILED,
                 error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_START_ERROR,
                 message=f"Job entrypoint command could not start: {error}",
@@ -225,8 +244,10 @@ class JobSupervisor:
         try:
             record = await store.update(
                 job.submission_id,
+                job.run_id,
                 status=JobStatus.RUNNING,
                 message="Job is currently running.",
+                supervisor_actor_id=ray.get_runtime_context().get_actor_id(),
                 driver_pid=process.pid,
                 driver_node_id=ray.get_runtime_context().get_node_id(),
                 driver_node_ip=ray.util.get_node_ip_address(),
@@ -324,7 +345,7 @@ class JobSupervisor:
                     run.job.submission_id,
                     run.log_path,
                 )
-        return await self._job_store().update(run.job.submission_id, **changes)
+        return await self._job_store().update(run.job.submission_id, run.job.run_id, **changes)
 
     def _driver_env(self, job: SupervisedJob, job_token: str) -> dict[str, str]:
         env = dict(os.environ)

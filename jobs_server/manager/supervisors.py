@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.exceptions import ActorDiedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs_server.manager.records import JobSpec
@@ -27,6 +28,9 @@ from jobs_server.manager.supervisor import JobSupervisor
 logger = logging.getLogger(__name__)
 
 _DEDICATED_PREFIX = "jobs_server_supervisor:"
+# A shared supervisor found dead when the server starts is created again, this often at most.
+WARM_ATTEMPTS = 10
+WARM_RETRY_S = 0.5
 _SHARED_PREFIX = "jobs_server_shared_supervisor:"
 
 
@@ -61,12 +65,27 @@ class Supervisors:
 
     async def start(self) -> None:
         """Create (or find, after a restart) the shared supervisors and wait until they answer."""
-        handles = [self._shared(name) for name in self._shared_names]
-        await asyncio.gather(*(handle.ping.remote() for handle in handles))
+        await asyncio.gather(*(self._warm(name) for name in self._shared_names))
 
-    def name_for(self, spec: JobSpec) -> str:
+    async def _warm(self, name: str) -> None:
+        for attempt in range(1, WARM_ATTEMPTS + 1):
+            try:
+                await self._shared(name).ping.remote()
+                return
+            except ActorDiedError:
+                # Found under its name as it died (killed while no server ran): its name is
+                # released soon, and the next attempt creates a new one.
+                self.forget(name)
+                if attempt == WARM_ATTEMPTS:
+                    raise
+                await asyncio.sleep(WARM_RETRY_S)
+
+    def name_for(self, spec: JobSpec, run_id: str) -> str:
+        """A shared supervisor's name, or a new one for a supervisor of the job's own: that name
+        carries the run, since a killed actor's name is freed only some time after `ray.kill`
+        (a deleted id submitted again at once gets another name)."""
         if spec.needs_own_supervisor() or not self._shared_names:
-            return f"{_DEDICATED_PREFIX}{spec.submission_id}"
+            return f"{_DEDICATED_PREFIX}{spec.submission_id}:{run_id}"
         return next(self._round_robin)
 
     def create(self, name: str, spec: JobSpec) -> Any:

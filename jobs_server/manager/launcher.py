@@ -1,0 +1,54 @@
+"""Handing a job to its supervisor: what the submit, the recovery and the watcher share."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.records import JobRecord
+from jobs_server.manager.supervisor import SupervisedJob
+from jobs_server.manager.supervisors import Supervisors
+
+
+@dataclass(frozen=True)
+class Launch:
+    """A supervisor that was handed a job, and the ObjectRef of the job's end."""
+
+    supervisor: Any
+    finished: Any
+
+
+class Launcher:
+    """Starts a job's run in the supervisor its record names."""
+
+    def __init__(
+        self, *, supervisors: Supervisors, log_dir: Path, stop_grace_s: float, head_node_id: str
+    ) -> None:
+        self._supervisors = supervisors
+        self._log_dir = log_dir
+        self._stop_grace_s = stop_grace_s
+        self._head_node_id = head_node_id
+
+    async def launch(self, record: JobRecord) -> Launch:
+        """Create (or find) the record's supervisor and ask it to run the job."""
+        name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
+        supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
+        return Launch(supervisor, supervisor.run_job.remote(self.supervised_job(record)))
+
+    def supervised_job(self, record: JobRecord) -> dict[str, Any]:
+        """What the supervisor needs, as the plain fields `run_job` takes."""
+        spec = record.spec
+        return SupervisedJob(
+            submission_id=spec.submission_id,
+            run_id=record.run_id,
+            entrypoint=spec.entrypoint,
+            log_path=job_log_path(self._log_dir, spec.submission_id),
+            runtime_env=spec.runtime_env,
+            metadata=spec.metadata,
+            stop_grace_s=self._stop_grace_s,
+            timeout_s=spec.timeout_s,
+            head_node_id=self._head_node_id,
+        ).model_dump(mode="json")

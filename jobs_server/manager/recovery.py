@@ -1,0 +1,112 @@
+"""What a starting server reconciles: it adopts the jobs a previous server left, starts those it
+accepted but never handed over, and fails those whose supervisor incarnation is gone (a new
+shared supervisor under the same name never ran them: nothing may stay RUNNING without a process
+behind it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.launcher import Launch, Launcher
+from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.watcher import JobWatchers
+
+logger = logging.getLogger(__name__)
+
+
+class Recovery:
+    """Reconciles the stored jobs with the supervisors that are alive, once, at start."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        supervisors: Supervisors,
+        launcher: Launcher,
+        watchers: JobWatchers,
+    ) -> None:
+        self._store = store
+        self._supervisors = supervisors
+        self._launcher = launcher
+        self._watchers = watchers
+        # The actor id of each live supervisor asked, by name (None: it did not answer).
+        self._incarnations: dict[str, str | None] = {}
+
+    async def recover(self) -> None:
+        """Adopt, start or fail every job that has not ended; retire what nobody needs."""
+        busy_supervisors = set()
+        live_supervisors = await asyncio.to_thread(self._supervisors.live_names)
+        for record in await self._store.list():
+            if not record.status.is_terminal():
+                await self._adopt(record)
+                busy_supervisors.add(record.supervisor_name)
+            elif record.supervisor_name in live_supervisors and is_dedicated(
+                record.supervisor_name
+            ):
+                # It ended while no server watched: pull what is left of its log from its
+                # node, then retire its supervisor.
+                await self._adopt(record)
+        for name in self._supervisors.stale_shared_names(live_supervisors):
+            if name not in busy_supervisors:
+                logger.info("retiring idle supervisor %s of an earlier server version", name)
+                await asyncio.to_thread(self._supervisors.kill, name)
+
+    async def _adopt(self, record: JobRecord) -> None:
+        name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
+        supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if supervisor is None and record.status is JobStatus.PENDING:
+            # The server died between recording the job and handing it over: it was accepted,
+            # so it runs.
+            logger.info(
+                "job %s was never handed to a supervisor; starting it", record.submission_id
+            )
+            self._watchers.watch(record, await self._launcher.launch(record))
+            return
+        if supervisor is None:
+            await self._fail(
+                record, f"The job's supervisor ({name}) no longer exists; its processes are gone."
+            )
+            return
+        if record.status is JobStatus.RUNNING and record.supervisor_actor_id is not None:
+            incarnation = await self._incarnation(name, supervisor)
+            if incarnation != record.supervisor_actor_id:
+                await self._fail(
+                    record,
+                    f"The job's supervisor (actor {record.supervisor_actor_id} named {name}) is "
+                    "gone, and its processes with it; the supervisor of that name now is "
+                    f"another actor ({incarnation or 'not answering'}) that never ran the job.",
+                )
+                return
+        if record.status is JobStatus.PENDING:
+            finished = supervisor.run_job.remote(self._launcher.supervised_job(record))
+        else:
+            finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
+        self._watchers.watch(record, Launch(supervisor, finished))
+
+    async def _incarnation(self, name: str, supervisor: Any) -> str | None:
+        """The actor id of the live supervisor `name`, None if it does not answer."""
+        if name not in self._incarnations:
+            try:
+                self._incarnations[name] = str(await supervisor.actor_id.remote())
+            except Exception as error:
+                logger.warning("supervisor %s does not tell its actor id: %s", name, error)
+                self._incarnations[name] = None
+        return self._incarnations[name]
+
+    async def _fail(self, record: JobRecord, message: str) -> None:
+        logger.warning("job %s failed: %s", record.submission_id, message)
+        with contextlib.suppress(JobNotFoundError):  # deleted meanwhile
+            await self._store.update(
+                record.submission_id,
+                record.run_id,
+                status=JobStatus.FAILED,
+                error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                message=message,
+            )

@@ -1,0 +1,405 @@
+"""One task per live job: waits for its end, records what its supervisor cannot report (it never
+started, it died), and retires a supervisor of the job's own once the job has ended.
+
+No error ends a watcher silently: whatever Ray or the KV raises while it watches is logged and
+retried with backoff, so a job always reaches a true terminal status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray.exceptions import (
+    ActorDiedError,
+    ActorUnavailableError,
+    ActorUnschedulableError,
+    RuntimeEnvSetupError,
+)
+
+from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
+from jobs_server.manager.launcher import Launch, Launcher
+from jobs_server.manager.log_shipping import pull_spooled_log
+from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
+from jobs_server.manager.runtime_env_failures import describe_setup_failure, strip_ansi
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
+
+logger = logging.getLogger(__name__)
+
+# How long a finished job's watcher waits for the last pull of its log from another node.
+LOG_PULL_FINISH_S = 10.0
+# How often a supervisor that cannot be reached is asked again, until Ray says it is dead.
+SUPERVISOR_UNAVAILABLE_RETRY_S = 1.0
+# After an unexpected error from Ray or the KV, a watcher tries again after this long, doubled
+# after each further error up to the maximum (a GCS that restarts takes seconds).
+WATCH_RETRY_INITIAL_S = 0.5
+WATCH_RETRY_MAX_S = 10.0
+
+
+@dataclass(frozen=True)
+class JobFailure:
+    """How a job failed, when its supervisor could not record it."""
+
+    error_type: JobErrorType
+    message: str
+
+
+class JobStartTimeoutError(Exception):
+    """The job's supervisor did not start its command within the start timeout."""
+
+
+class _Backoff:
+    """Exponential waits between retries, WATCH_RETRY_INITIAL_S up to WATCH_RETRY_MAX_S."""
+
+    def __init__(self) -> None:
+        self.delay_s = WATCH_RETRY_INITIAL_S
+
+    async def wait(self) -> None:
+        await asyncio.sleep(self.delay_s)
+        self.delay_s = min(self.delay_s * 2, WATCH_RETRY_MAX_S)
+
+
+class JobWatchers:
+    """The watcher tasks of one server: one per job run, cancelled (not the jobs) on close."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        supervisors: Supervisors,
+        launcher: Launcher,
+        cluster_resources: ClusterResources,
+        log_dir: Path,
+        job_start_timeout_s: float,
+    ) -> None:
+        self._store = store
+        self._supervisors = supervisors
+        self._launcher = launcher
+        self._cluster_resources = cluster_resources
+        self._log_dir = log_dir
+        self._job_start_timeout_s = job_start_timeout_s
+        # The watcher of each job's current run; an old run's (its id deleted and submitted
+        # again) may still be retiring its supervisor, so `close` awaits every task.
+        self._current: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __len__(self) -> int:
+        return len(self._current)
+
+    def watch(self, record: JobRecord, launch: Launch) -> None:
+        """Watch the run `record` that `launch` started (or adopted) until it ends."""
+        task = asyncio.create_task(self._watch(record, launch))
+        self._current[record.submission_id] = task
+        self._tasks.add(task)
+        task.add_done_callback(lambda _: self._forget(record.submission_id, task))
+
+    def _forget(self, submission_id: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._current.get(submission_id) is task:
+            del self._current[submission_id]
+
+    def has_ended(self, submission_id: str) -> bool | None:
+        """Whether the watched job has ended (its end is recorded); None if none watches it."""
+        task = self._current.get(submission_id)
+        return None if task is None else task.done()
+
+    async def close(self) -> None:
+        """Stop watching; the jobs themselves run on in their detached supervisors."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _watch(self, record: JobRecord, launch: Launch) -> None:
+        failure: JobFailure | None = None
+        ended = False
+        try:
+            failure = await self._outcome(record, launch)
+            ended = True
+            if failure is not None:
+                await self._record_failure(record, failure)
+        finally:
+            # Once the job has ended (not when the server shuts down: its jobs run on).
+            if ended:
+                await self._retire_supervisor(record, launch.supervisor, failure)
+
+    async def _outcome(self, record: JobRecord, launch: Launch) -> JobFailure | None:
+        """Wait for the run to end: None if its supervisor recorded the end, else the failure
+        to record. Errors are logged and retried; only cancellation ends it early."""
+        supervisor, finished = launch.supervisor, launch.finished
+        backoff = _Backoff()
+        while True:
+            try:
+                return await self._follow_run(record, supervisor, finished)
+            except Exception:
+                logger.warning(
+                    "watching job %s failed; trying again in %.1f s",
+                    record.submission_id,
+                    backoff.delay_s,
+                    exc_info=True,
+                )
+            await backoff.wait()
+            try:
+                reattached = await self._reattach(record)
+            except Exception:
+                logger.warning("finding job %s again failed", record.submission_id, exc_info=True)
+                continue
+            if not isinstance(reattached, tuple):
+                return reattached
+            record, supervisor = reattached
+            finished = None
+
+    async def _reattach(self, record: JobRecord) -> tuple[JobRecord, Any] | JobFailure | None:
+        """After an error: the run's record and supervisor now, or how it ended (None: it has
+        recorded its end, or was deleted)."""
+        try:
+            current = await self._store.get(record.submission_id, record.run_id)
+        except JobNotFoundError:
+            return None
+        if current.status.is_terminal() or current.run_id != record.run_id:
+            return None
+        record = current
+        name = record.supervisor_name or ""
+        supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if supervisor is None:
+            return JobFailure(
+                JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                f"The job's supervisor ({name}) is gone; its processes ended with it.",
+            )
+        return record, supervisor
+
+    async def _follow_run(
+        self, record: JobRecord, supervisor: Any, finished: Any | None
+    ) -> JobFailure | None:
+        """Wait for the command to start and end, pulling its log if it runs on another node;
+        the failure its supervisor cannot report, if any."""
+        log_pull: asyncio.Task[None] | None = None
+        try:
+            try:
+                log_pull = await self._wait_until_started(record, supervisor)
+                if finished is None:
+                    finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
+                status = await self._wait_for_end(record, supervisor, finished)
+            except ActorDiedError as error:
+                if not is_dedicated(record.supervisor_name or "") and await self._never_started(
+                    record
+                ):
+                    return await self._run_on_replacement(record)
+                return JobFailure(
+                    JobErrorType.JOB_SUPERVISOR_ACTOR_DIED, await self._died_message(record, error)
+                )
+            except (JobStartTimeoutError, RuntimeEnvSetupError, ActorUnschedulableError) as error:
+                return _start_failure(record, error)
+            if log_pull is not None:
+                # Every byte pulled is on the head before anyone sees the job end.
+                await asyncio.wait({log_pull}, timeout=LOG_PULL_FINISH_S)
+            if status is None:
+                return JobFailure(
+                    JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                    f"The job's supervisor ({record.supervisor_name}) does not know the job: it "
+                    "is a later incarnation, and the job's processes ended with the one that "
+                    "ran them.",
+                )
+            return None
+        finally:
+            if log_pull is not None:
+                log_pull.cancel()
+
+    async def _run_on_replacement(self, record: JobRecord) -> JobFailure | None:
+        """A warm supervisor that died before anyone noticed: the job never started, so it
+        runs on the replacement instead of failing."""
+        logger.info("job %s reached a dead shared supervisor; retrying", record.submission_id)
+        self._supervisors.forget(record.supervisor_name or "")
+        launch = await self._launcher.launch(record)
+        return await self._follow_run(record, launch.supervisor, launch.finished)
+
+    async def _wait_until_started(
+        self, record: JobRecord, supervisor: Any
+    ) -> asyncio.Task[None] | None:
+        """Wait for the command to start, at most what is left of the start timeout; return the
+        task pulling its log if it runs on another node."""
+        started = supervisor.wait_started.remote(record.submission_id)
+        if record.status is JobStatus.PENDING:
+            waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
+            remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
+            try:
+                log_is_spooled = await asyncio.wait_for(started, timeout=remaining_s)
+            except TimeoutError:
+                message = await self._start_timeout_message(record.spec)
+                raise JobStartTimeoutError(message) from None
+        else:
+            log_is_spooled = await started
+        if not log_is_spooled:
+            return None
+        return asyncio.create_task(self._pull_log(record.submission_id, supervisor))
+
+    async def _wait_for_end(
+        self, record: JobRecord, supervisor: Any, finished: Any
+    ) -> JobStatus | None:
+        """Await `finished`, asking the supervisor again while it cannot be reached."""
+        status: JobStatus | None = await _while_unreachable(
+            finished, lambda: supervisor.wait_job.remote(record.submission_id, record.run_id)
+        )
+        return status
+
+    async def _pull_log(self, submission_id: str, supervisor: Any) -> None:
+        """Bring the log of a job on another node to the head, until all of it is here or its
+        supervisor is gone (with its node: what was pulled until then stays)."""
+
+        async def read_chunk(offset: int) -> tuple[bytes, bool]:
+            def call() -> Any:
+                return supervisor.read_spooled_log.remote(submission_id, offset)
+
+            data, complete = await _while_unreachable(call(), call)
+            return data, complete
+
+        try:
+            await pull_spooled_log(read_chunk, job_log_path(self._log_dir, submission_id))
+        except ActorDiedError as error:
+            logger.warning(
+                "pulling the log of job %s stopped: %s", submission_id, first_line(error)
+            )
+
+    async def _never_started(self, record: JobRecord) -> bool:
+        try:
+            current = await self._store.get(record.submission_id, record.run_id)
+        except JobNotFoundError:
+            return False
+        return current.status is JobStatus.PENDING
+
+    async def _died_message(self, record: JobRecord, error: ActorDiedError) -> str:
+        """Name the lost node when the supervisor died with it, else say what Ray says."""
+        try:
+            current = await self._store.get(record.submission_id, record.run_id)
+            if current.driver_node_id and not await asyncio.to_thread(
+                node_is_alive, current.driver_node_id
+            ):
+                return (
+                    f"The node the job ran on was lost (node id {current.driver_node_id}, "
+                    f"address {current.driver_node_ip}); the job's processes ended with it. "
+                    "Its output until then is in the log."
+                )
+        except JobNotFoundError:
+            pass
+        except Exception:
+            # What Ray says is true too; a node that may be lost is no reason to wait.
+            logger.warning(
+                "could not tell whether the node of job %s is alive",
+                record.submission_id,
+                exc_info=True,
+            )
+        return f"The job's supervisor died: {first_line(error)}"
+
+    async def _start_timeout_message(self, spec: JobSpec) -> str:
+        message = f"The job did not start within {self._job_start_timeout_s:g} s."
+        requested = spec.requested_resources()
+        waiting_for = await self._cluster_resources.describe_wait(requested)
+        if waiting_for is not None:
+            message += " " + waiting_for.replace("Waiting for", "It waited for", 1)
+        elif requested:
+            message += f" The resources it asks for ({requested}) were free at the end."
+        if spec.runtime_env:
+            message += " Its runtime env may still have been setting up."
+        return message
+
+    async def _record_failure(self, record: JobRecord, failure: JobFailure) -> None:
+        """Write the failure (unless the job has already ended), retrying the KV until it
+        takes it."""
+        logger.warning("job %s failed: %s", record.submission_id, failure.message)
+        backoff = _Backoff()
+        while True:
+            try:
+                await self._store.update(
+                    record.submission_id,
+                    record.run_id,
+                    status=JobStatus.FAILED,
+                    error_type=failure.error_type,
+                    message=failure.message,
+                )
+                return
+            except JobNotFoundError:
+                return  # deleted, or submitted again: not this run's record any more
+            except Exception:
+                logger.warning(
+                    "recording the end of job %s failed; trying again in %.1f s",
+                    record.submission_id,
+                    backoff.delay_s,
+                    exc_info=True,
+                )
+            await backoff.wait()
+
+    async def _retire_supervisor(
+        self, record: JobRecord, supervisor: Any, failure: JobFailure | None
+    ) -> None:
+        """The job has ended: its own supervisor has nothing left to do (killed, retried until
+        Ray takes it); a dead shared one is replaced; a late start is called off."""
+        name = record.supervisor_name or ""
+        if is_dedicated(name):
+            backoff = _Backoff()
+            while True:
+                try:
+                    await asyncio.to_thread(self._supervisors.kill, name)
+                    return
+                except Exception:
+                    logger.warning(
+                        "killing supervisor %s of job %s failed; trying again in %.1f s",
+                        name,
+                        record.submission_id,
+                        backoff.delay_s,
+                        exc_info=True,
+                    )
+                await backoff.wait()
+        if failure is None:
+            return
+        if failure.error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_DIED:
+            self._supervisors.forget(name)
+        elif failure.error_type is JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT:
+            try:
+                await supervisor.stop_job.remote(record.submission_id, 0)
+            except Exception:
+                logger.warning("calling off job %s failed", record.submission_id, exc_info=True)
+
+
+def _start_failure(
+    record: JobRecord,
+    error: JobStartTimeoutError | RuntimeEnvSetupError | ActorUnschedulableError,
+) -> JobFailure:
+    """Why the job never started, in Ray's terms."""
+    if isinstance(error, JobStartTimeoutError):
+        return JobFailure(JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT, str(error))
+    if isinstance(error, RuntimeEnvSetupError):
+        # Ray's text is the agent's whole traceback; the status says what and why.
+        logger.info("job %s: Ray's runtime env error: %s", record.submission_id, error)
+        return JobFailure(
+            JobErrorType.RUNTIME_ENV_SETUP_FAILURE,
+            describe_setup_failure(str(error), record.spec.runtime_env),
+        )
+    return JobFailure(
+        JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE, f"The job cannot be scheduled: {error}"
+    )
+
+
+async def _while_unreachable(first_call: Any, call_again: Callable[[], Any]) -> Any:
+    """The result of a supervisor call (`first_call`, an ObjectRef); while the supervisor cannot
+    be reached (its node may be going), `call_again` every SUPERVISOR_UNAVAILABLE_RETRY_S until
+    Ray knows it is alive (an answer) or dead (ActorDiedError)."""
+    pending = first_call
+    while True:
+        try:
+            return await pending
+        except ActorUnavailableError:
+            await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+            pending = call_again()
+
+
+def first_line(error: BaseException) -> str:
+    """Ray's actor errors carry colour codes and tracebacks; a status message wants one line."""
+    text = strip_ansi(str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__
