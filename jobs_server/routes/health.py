@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jobs_server.api_models import HealthResponse, VersionResponse
 from jobs_server.keys import CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
+from jobs_server.manager.containment import detect_containment
 from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
@@ -54,5 +55,7 @@ async def version(request: web.Request) -> web.Response:
             ray_version=cluster.ray_version,
             ray_commit=cluster.ray_commit,
             session_name=cluster.session_name,
+            # Probed once in this process, as the head node's supervisors probe it.
+            containment=await asyncio.to_thread(detect_containment),
         )
     )

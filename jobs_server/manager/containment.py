@@ -1,0 +1,178 @@
+"""How a job's processes are kept together: a PID namespace per job where the host allows it,
+else the marker in their environment.
+
+In a PID namespace of its own, every process a job makes stays in it whatever it does (`setsid`,
+double forks, `env -i`), and when the namespace's first process (its init) ends, the kernel
+kills every other one and waits for them: nothing of a job outlives it. Slurm, Nomad and
+container runtimes contain jobs the same way.
+
+The command is started through a small launcher (`LAUNCHER_SOURCE`, standard-library Python run
+with `python -I -S -c`, so a worker node needs nothing installed):
+
+    supervisor ─► launcher (this node's PID namespace; the process the supervisor awaits)
+                    └─► init (pid 1 of the job's namespace)
+                          └─► /bin/sh -c <entrypoint> (pid 2, a session of its own)
+
+- The launcher passes SIGTERM (SIGINT, SIGHUP) to the init, which sends it to every process of
+  the namespace at once (`kill(-1)` from a namespace's init reaches exactly its processes): no
+  shell sees its child die and runs its next command.
+- SIGKILL to the launcher kills the init (its parent-death signal), and so the namespace.
+- The init reaps orphans, reports the command's wait status to the launcher through a pipe, and
+  exits when the command does; the launcher then ends exactly as the command did (the same exit
+  code, or the same signal), so the supervisor records what the command did. Neither writes to
+  the log.
+
+Where no PID namespace can be made (no privilege, an old kernel, seccomp), the command runs as
+`/bin/sh -c` directly and is found by its marker (`process.py`), as before. A cgroup v2 per job
+(`cgroup.kill`) would do as well, but needs a delegated, writable cgroup tree, which a container
+rarely has; the PID namespace needs only `CAP_SYS_ADMIN`.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import subprocess
+import sys
+
+logger = logging.getLogger(__name__)
+
+SHELL = "/bin/sh"
+# The launcher's exit code when it cannot make the namespace (as container runtimes answer 125).
+LAUNCH_FAILED_EXIT_CODE = 125
+_PROBE_EXIT_CODE = 3
+_PROBE_TIMEOUT_S = 10.0
+
+
+class Containment(enum.StrEnum):
+    """What holds a job's processes together (reported by `GET /api/version`)."""
+
+    PID_NAMESPACE = "pid_namespace"
+    MARKER = "marker"
+
+
+LAUNCHER_SOURCE = r"""
+import ctypes, os, sys
+import _signal as signal  # the C module: signal.py's enums would add ~5 ms to every start
+
+CLONE_NEWPID, CLONE_NEWNS = 0x20000000, 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 2, 4, 8, 0x4000, 0x80000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
+FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+shell, entrypoint = sys.argv[1], sys.argv[2]
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def fail(what):
+    reason = os.strerror(ctypes.get_errno())
+    os.write(2, ("jobs-server: cannot contain the job (%s): %s\n" % (what, reason)).encode())
+    os._exit(125)
+
+
+# A mount namespace too, for a /proc of the job's own: its pids are the namespace's, and
+# `ps` or psutil in the job must see the processes those pids name. Mounts made on the node
+# later still reach the job (slave propagation); the job's own mounts stay with it.
+if libc.unshare(CLONE_NEWPID | CLONE_NEWNS) != 0:
+    fail("unshare")
+if libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
+    fail("mount --make-rslave /")
+# Held until each process has its handlers: a stop right after the start is not lost.
+signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+status_r, status_w = os.pipe()
+alive_r, alive_w = os.pipe()
+init = os.fork()
+if init == 0:
+    os.close(status_r)
+    os.close(alive_w)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    os.set_blocking(alive_r, False)
+    try:
+        if os.read(alive_r, 1) == b"":
+            os._exit(1)  # the launcher died before the death signal was armed
+    except BlockingIOError:
+        pass
+    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
+        fail("mount /proc")
+    command = os.fork()
+    if command == 0:
+        os.setsid()
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        try:
+            os.execv(shell, [shell, "-c", entrypoint])
+        except OSError as error:
+            os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())
+            os._exit(127)
+
+    def to_every_process(sig, frame):
+        os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
+
+    for sig in FORWARDED:
+        signal.signal(sig, to_every_process)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    while True:
+        pid, status = os.wait()  # orphans of the namespace come back to its init
+        if pid == command:
+            break
+    os.write(status_w, b"%d" % status)
+    os._exit(0)  # and with the init, the kernel kills what the command left
+
+os.close(status_w)
+os.close(alive_r)
+
+
+def to_init(sig, frame):
+    os.kill(init, sig)
+
+
+for sig in FORWARDED:
+    signal.signal(sig, to_init)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+init_status = os.waitpid(init, 0)[1]
+reported = os.read(status_r, 32)
+code = os.waitstatus_to_exitcode(int(reported) if reported else init_status)
+if code >= 0:
+    os._exit(code)
+# End as the command did: by its signal (without a core dump of this launcher).
+libc.prctl(PR_SET_DUMPABLE, 0)
+if -code not in (signal.SIGKILL, signal.SIGSTOP):
+    signal.signal(-code, signal.SIG_DFL)
+signal.pthread_sigmask(signal.SIG_SETMASK, ())
+os.kill(os.getpid(), -code)
+os._exit(128 - code)
+"""
+
+
+@functools.cache
+def detect_containment() -> Containment:
+    """What this host allows, decided once per process by starting a job-less launcher.
+
+    Blocks for one process start: call it from a thread, and before the caller becomes a child
+    subreaper (it reaps what it finds exited, and would take the probe's exit code).
+    """
+    try:
+        probe = subprocess.run(
+            launch_argv(f"exit {_PROBE_EXIT_CODE}", Containment.PID_NAMESPACE),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            timeout=_PROBE_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as error:
+        logger.warning("jobs run without a PID namespace (marker containment): %s", error)
+        return Containment.MARKER
+    if probe.returncode != _PROBE_EXIT_CODE:
+        logger.warning(
+            "jobs run without a PID namespace (marker containment): %s",
+            probe.stderr.decode(errors="replace").strip() or f"exit code {probe.returncode}",
+        )
+        return Containment.MARKER
+    return Containment.PID_NAMESPACE
+
+
+def launch_argv(entrypoint: str, containment: Containment) -> list[str]:
+    """The command line that runs `entrypoint` under `containment`."""
+    if containment is Containment.PID_NAMESPACE:
+        return [sys.executable, "-I", "-S", "-c", LAUNCHER_SOURCE, SHELL, entrypoint]
+    return [SHELL, "-c", entrypoint]
