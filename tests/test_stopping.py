@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,15 @@ Client = TestClient[Any, Any]
 
 STOPPED_JOBS = 100
 NEVER_FINISHES = "sleep 60; echo finished"
+IGNORES_SIGTERM = "trap '' TERM; echo ready; sleep 1000"
+
+
+async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float = 60) -> None:
+    """Wait until the job's log is `text` (a job that says it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while await job_logs(client, job_id) != text:
+        assert time.monotonic() < deadline, f"job {job_id} never wrote {text!r}"
+        await asyncio.sleep(0.05)
 
 
 async def test_a_stopped_shell_runs_no_further_command(client: Client) -> None:
@@ -98,8 +108,8 @@ async def test_a_grace_period_over_the_ceiling_is_refused_and_changes_nothing(
 async def test_a_second_stop_with_a_shorter_grace_shortens_the_running_one(
     client: Client,
 ) -> None:
-    job_id = await submit(client, entrypoint="trap '' TERM; sleep 1000")
-    await wait_for_status(client, job_id, {"RUNNING"})
+    job_id = await submit(client, entrypoint=IGNORES_SIGTERM)
+    await wait_for_log(client, job_id, "ready\n")
     first = await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 100})
     assert await first.json() == {"stopped": True}
     await asyncio.sleep(1)
@@ -113,8 +123,8 @@ async def test_a_second_stop_with_a_shorter_grace_shortens_the_running_one(
 
 
 async def test_a_second_stop_with_a_longer_grace_does_not_lengthen_it(client: Client) -> None:
-    job_id = await submit(client, entrypoint="trap '' TERM; sleep 1000")
-    await wait_for_status(client, job_id, {"RUNNING"})
+    job_id = await submit(client, entrypoint=IGNORES_SIGTERM)
+    await wait_for_log(client, job_id, "ready\n")
     await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 1})
     await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 200})
     # Far below the second grace period: only the first one can end it in time.

@@ -31,7 +31,6 @@ rarely has; the PID namespace needs only `CAP_SYS_ADMIN`.
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import subprocess
 import sys
@@ -143,12 +142,13 @@ os._exit(128 - code)
 """
 
 
-@functools.cache
 def detect_containment() -> Containment:
-    """What this host allows, decided once per process by starting a job-less launcher.
+    """What this host allows, found by starting a job-less launcher (callers keep the answer).
 
     Blocks for one process start: call it from a thread, and before the caller becomes a child
-    subreaper (it reaps what it finds exited, and would take the probe's exit code).
+    subreaper (it reaps what it finds exited, and would take the probe's exit code). Not cached
+    here: the supervisor's code travels by value to other nodes, and a cache would carry the
+    server's answer with it.
     """
     try:
         probe = subprocess.run(
@@ -173,6 +173,7 @@ def detect_containment() -> Containment:
 
 def launch_argv(entrypoint: str, containment: Containment) -> list[str]:
     """The command line that runs `entrypoint` under `containment`."""
-    if containment is Containment.PID_NAMESPACE:
+    # By value, not identity: the enum may arrive in a copy pickled with the supervisor's code.
+    if containment == Containment.PID_NAMESPACE:
         return [sys.executable, "-I", "-S", "-c", LAUNCHER_SOURCE, SHELL, entrypoint]
     return [SHELL, "-c", entrypoint]

@@ -166,7 +166,7 @@ def signal_job_processes(
     every other process it owns.
     """
     root = root_pid if root_pid is not None and _is_alive(root_pid) else None
-    if root is not None and containment is Containment.PID_NAMESPACE and sig != signal.SIGKILL:
+    if root is not None and containment == Containment.PID_NAMESPACE and sig != signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError):
             os.kill(root, sig)
         return 1  # its namespace holds every other process of it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 from importlib import resources
 
 from aiohttp import web
@@ -15,6 +16,8 @@ from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
 JOBS_API_VERSION = "4"
+# Probed once, on the head node (this server's), as its shared supervisors probe it there.
+_head_node_containment = functools.cache(detect_containment)
 
 routes = web.RouteTableDef()
 
@@ -55,7 +58,6 @@ async def version(request: web.Request) -> web.Response:
             ray_version=cluster.ray_version,
             ray_commit=cluster.ray_commit,
             session_name=cluster.session_name,
-            # Probed once in this process, as the head node's supervisors probe it.
-            containment=await asyncio.to_thread(detect_containment),
+            containment=await asyncio.to_thread(_head_node_containment),
         )
     )
