@@ -55,11 +55,10 @@ LAUNCHER_SOURCE = r"""
 import ctypes, os, sys
 import _signal as signal  # the C module: signal.py's enums would add ~5 ms to every start
 
-CLONE_NEWPID, CLONE_NEWNS = 0x20000000, 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REC, MS_SLAVE = 2, 4, 8, 0x4000, 0x80000
+CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-shell, entrypoint = sys.argv[1], sys.argv[2]
+shell, entrypoint, started_w = sys.argv[1], sys.argv[2], int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -69,13 +68,9 @@ def fail(what):
     os._exit(125)
 
 
-# A mount namespace too, for a /proc of the job's own: its pids are the namespace's, and
-# `ps` or psutil in the job must see the processes those pids name. Mounts made on the node
-# later still reach the job (slave propagation); the job's own mounts stay with it.
-if libc.unshare(CLONE_NEWPID | CLONE_NEWNS) != 0:
+# No /proc of its own (a mount namespace): Ray's drivers find their node's raylet in /proc.
+if libc.unshare(CLONE_NEWPID) != 0:
     fail("unshare")
-if libc.mount(None, b"/", None, MS_REC | MS_SLAVE, None) != 0:
-    fail("mount --make-rslave /")
 # Held until each process has its handlers: a stop right after the start is not lost.
 signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
 status_r, status_w = os.pipe()
@@ -91,12 +86,15 @@ if init == 0:
             os._exit(1)  # the launcher died before the death signal was armed
     except BlockingIOError:
         pass
-    if libc.mount(b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None) != 0:
-        fail("mount /proc")
     command = os.fork()
     if command == 0:
         os.setsid()
+        # What Python ignores, the command must not (`yes | head` ends by SIGPIPE).
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        if started_w >= 0:  # closed by the exec: the supervisor learns that the command runs
+            os.set_inheritable(started_w, False)
         try:
             os.execv(shell, [shell, "-c", entrypoint])
         except OSError as error:
@@ -108,6 +106,8 @@ if init == 0:
 
     for sig in FORWARDED:
         signal.signal(sig, to_every_process)
+    if started_w >= 0:
+        os.close(started_w)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     while True:
         pid, status = os.wait()  # orphans of the namespace come back to its init
@@ -118,6 +118,8 @@ if init == 0:
 
 os.close(status_w)
 os.close(alive_r)
+if started_w >= 0:
+    os.close(started_w)
 
 
 def to_init(sig, frame):
@@ -152,7 +154,7 @@ def detect_containment() -> Containment:
     """
     try:
         probe = subprocess.run(
-            launch_argv(f"exit {_PROBE_EXIT_CODE}", Containment.PID_NAMESPACE),
+            launch_argv(f"exit {_PROBE_EXIT_CODE}", Containment.PID_NAMESPACE, started_fd=None),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
@@ -171,9 +173,19 @@ def detect_containment() -> Containment:
     return Containment.PID_NAMESPACE
 
 
-def launch_argv(entrypoint: str, containment: Containment) -> list[str]:
-    """The command line that runs `entrypoint` under `containment`."""
+def launch_argv(entrypoint: str, containment: Containment, started_fd: int | None) -> list[str]:
+    """The command line that runs `entrypoint` under `containment`. In a PID namespace, the
+    launcher closes `started_fd` (a pipe's end the child inherits) once the command runs."""
     # By value, not identity: the enum may arrive in a copy pickled with the supervisor's code.
     if containment == Containment.PID_NAMESPACE:
-        return [sys.executable, "-I", "-S", "-c", LAUNCHER_SOURCE, SHELL, entrypoint]
+        return [
+            sys.executable,
+            "-I",
+            "-S",
+            "-c",
+            LAUNCHER_SOURCE,
+            SHELL,
+            entrypoint,
+            str(-1 if started_fd is None else started_fd),
+        ]
     return [SHELL, "-c", entrypoint]

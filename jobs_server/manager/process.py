@@ -49,18 +49,56 @@ async def start_entrypoint(
     entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
 ) -> asyncio.subprocess.Process:
     """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log."""
+    `containment` says so); stdout and stderr go to the log. Return once the command runs."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if containment != Containment.PID_NAMESPACE:
+        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
+    started_r, started_w = os.pipe()
+    try:
+        try:
+            process = await _spawn(
+                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
+            )
+        finally:
+            os.close(started_w)
+        # The launcher takes a Python start before the shell runs: RUNNING means it runs.
+        await _wait_for_eof(started_r)
+    finally:
+        os.close(started_r)
+    return process
+
+
+async def _spawn(
+    argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
+) -> asyncio.subprocess.Process:
     with log_path.open("ab") as log_file:
         # The child keeps its own copy of the descriptor; ours closes when this block ends.
         return await asyncio.create_subprocess_exec(
-            *launch_argv(entrypoint, containment),
+            *argv,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
+            pass_fds=pass_fds,
         )
+
+
+async def _wait_for_eof(fd: int) -> None:
+    """Return when every write end of the pipe `fd` reads from has closed (nobody writes to it,
+    so readable means that)."""
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not closed.done():
+            closed.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await closed
+    finally:
+        loop.remove_reader(fd)
 
 
 def find_job_processes(
