@@ -52,6 +52,25 @@ async def wait_for_pid_files(directory: Path, names: list[str], timeout_s: float
     raise AssertionError(f"pid files {names} not all written in {directory}")
 
 
+def host_pids(pids: list[int], driver_pid: int) -> list[int]:
+    """The node's pids of processes of a job that wrote their own (`$$`): in the job's PID
+    namespace (where the host allows one), those are the namespace's."""
+    namespace = os.readlink(f"/proc/{driver_pid}/ns/pid_for_children")
+    if namespace == os.readlink("/proc/self/ns/pid"):
+        return pids
+    on_the_node = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{name}/ns/pid") == namespace:
+                with open(f"/proc/{name}/status") as status:
+                    for line in status:
+                        if line.startswith("NSpid:"):
+                            on_the_node[int(line.split()[-1])] = int(name)
+    return [on_the_node[pid] for pid in pids]
+
+
 async def wait_until_dead(pids: list[int], timeout_s: float = 10) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -92,6 +111,7 @@ async def test_stop_kills_the_whole_tree(client: Client, tmp_path: Path) -> None
     job_id = await submit(client, entrypoint=process_zoo(tmp_path))
     pids = await wait_for_pid_files(tmp_path, ZOO)
     job = await wait_for_status(client, job_id, {"RUNNING"})
+    pids = host_pids(pids, int(job["driver_info"]["pid"]))
     pids.append(int(job["driver_info"]["pid"]))
     assert all(is_alive(pid) for pid in pids)
     response = await client.post(f"/api/jobs/{job_id}/stop")
@@ -103,9 +123,15 @@ async def test_stop_kills_the_whole_tree(client: Client, tmp_path: Path) -> None
 async def test_processes_left_behind_by_a_finished_job_end_with_it(
     client: Client, tmp_path: Path
 ) -> None:
-    entrypoint = f"cd {tmp_path}; setsid sh -c 'echo $$ > setsid.pid; exec sleep 300' & sleep 0.5"
+    entrypoint = (
+        f"cd {tmp_path}; setsid sh -c 'echo $$ > setsid.pid; exec sleep 300' &"
+        " while [ ! -e go ]; do sleep 0.05; done"
+    )
     job_id = await submit(client, entrypoint=entrypoint)
     (pid,) = await wait_for_pid_files(tmp_path, ["setsid.pid"])
+    job = await wait_for_status(client, job_id, {"RUNNING"})
+    (pid,) = host_pids([pid], int(job["driver_info"]["pid"]))
+    (tmp_path / "go").touch()
     assert (await wait_for_status(client, job_id))["status"] == "SUCCEEDED"
     await wait_until_dead([pid])
 
@@ -139,6 +165,7 @@ async def test_supervisor_death_kills_every_job_process_and_fails_the_job(
     pids = await wait_for_pid_files(tmp_path, ZOO)
     job = await wait_for_status(client, job_id, {"RUNNING"})
     shell_pid = int(job["driver_info"]["pid"])
+    pids = host_pids(pids, shell_pid)
     supervisor_pid = psutil.Process(shell_pid).ppid()
     assert "ray::" in " ".join(psutil.Process(supervisor_pid).cmdline())
     os.kill(supervisor_pid, signal.SIGKILL)
