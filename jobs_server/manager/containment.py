@@ -22,10 +22,15 @@ with `python -I -S -c`, so a worker node needs nothing installed):
   code, or the same signal), so the supervisor records what the command did. Neither writes to
   the log.
 
+The job keeps the node's /proc (no mount namespace): Ray's drivers look for their node's raylet
+there. So `$$` in a job is the namespace's pid, while `/proc/$$` is the node's process of that
+number (`/proc/self` is right).
+
 Where no PID namespace can be made (no privilege, an old kernel, seccomp), the command runs as
 `/bin/sh -c` directly and is found by its marker (`process.py`), as before. A cgroup v2 per job
-(`cgroup.kill`) would do as well, but needs a delegated, writable cgroup tree, which a container
-rarely has; the PID namespace needs only `CAP_SYS_ADMIN`.
+(`cgroup.kill`) would contain as well and keep the job's pids the node's, but needs a writable
+cgroup tree (and cleaning up after a supervisor that died); the PID namespace needs only
+`CAP_SYS_ADMIN` and the kernel cleans up.
 """
 
 from __future__ import annotations
