@@ -23,6 +23,7 @@ from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import (
     free_port,
+    host_pids,
     job_logs,
     kill_actors_in_namespace,
     start_jobs_server,
@@ -50,25 +51,6 @@ async def wait_for_pid_files(directory: Path, names: list[str], timeout_s: float
             return [int(path.read_text()) for path in paths]
         await asyncio.sleep(0.05)
     raise AssertionError(f"pid files {names} not all written in {directory}")
-
-
-def host_pids(pids: list[int], driver_pid: int) -> list[int]:
-    """The node's pids of processes of a job that wrote their own (`$$`): in the job's PID
-    namespace (where the host allows one), those are the namespace's."""
-    namespace = os.readlink(f"/proc/{driver_pid}/ns/pid_for_children")
-    if namespace == os.readlink("/proc/self/ns/pid"):
-        return pids
-    on_the_node = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{name}/ns/pid") == namespace:
-                with open(f"/proc/{name}/status") as status:
-                    for line in status:
-                        if line.startswith("NSpid:"):
-                            on_the_node[int(line.split()[-1])] = int(name)
-    return [on_the_node[pid] for pid in pids]
 
 
 async def wait_until_dead(pids: list[int], timeout_s: float = 10) -> None:
