@@ -22,7 +22,7 @@ import psutil
 import pytest
 from aiohttp.test_utils import TestClient
 
-from jobs_server.manager.containment import Containment, detect_containment
+from jobs_server.manager.containment import Containment, detect_containment, launch_argv
 from tests.conftest import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
@@ -183,3 +183,24 @@ def test_a_host_that_forbids_namespaces_falls_back_to_the_marker() -> None:
     )
     assert probe.stdout.strip() == Containment.MARKER
     assert detect_containment() is Containment.PID_NAMESPACE  # this host allows it
+
+
+def test_a_stop_as_the_command_ends_leaves_no_trace_in_its_log() -> None:
+    """A SIGTERM that reaches the launcher as the command exits (the namespace already empty)
+    must not write a traceback into the log or change the exit code (5 in 200 did before)."""
+    if detect_containment() != Containment.PID_NAMESPACE:
+        pytest.skip("this host allows no PID namespace")
+    wrong = []
+    for attempt in range(200):
+        launcher = subprocess.Popen(
+            launch_argv("exit 3", Containment.PID_NAMESPACE, None),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        time.sleep(0.012 + (attempt % 20) * 0.002)  # around the moment the command ends
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(launcher.pid, signal.SIGTERM)
+        output = launcher.communicate(timeout=30)[0]
+        if output or launcher.returncode not in (3, -signal.SIGTERM):
+            wrong.append((launcher.returncode, output))
+    assert wrong == []

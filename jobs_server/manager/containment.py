@@ -107,7 +107,10 @@ if init == 0:
             os._exit(127)
 
     def to_every_process(sig, frame):
-        os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
+        try:
+            os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
+        except OSError:
+            pass  # none left: a late stop must not leave a traceback in the job's log
 
     for sig in FORWARDED:
         signal.signal(sig, to_every_process)
@@ -128,7 +131,10 @@ if started_w >= 0:
 
 
 def to_init(sig, frame):
-    os.kill(init, sig)
+    try:
+        os.kill(init, sig)
+    except OSError:
+        pass  # reaped: a late stop must not leave a traceback in the job's log
 
 
 for sig in FORWARDED:
