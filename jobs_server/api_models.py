@@ -142,6 +142,9 @@ class VersionResponse(BaseModel):
     ray_version: str
     ray_commit: str
     session_name: str | None
+    containment: Literal["pid_namespace", "cgroup", "marker"] = Field(
+        description="Extension: what holds each job's processes together on the head node."
+    )
 
 
 class HealthResponse(BaseModel):

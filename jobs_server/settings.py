@@ -35,6 +35,15 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="Seconds between SIGTERM and SIGKILL when a job is stopped.",
     )
+    max_stop_grace_s: float = Field(
+        300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "Longest grace period a stop request may ask for (a longer one is refused with 400),"
+            " so that every job can be ended."
+        ),
+    )
     job_start_timeout_s: float = Field(
         900.0,
         gt=0,
@@ -102,6 +111,15 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _stop_grace_within_its_ceiling(self) -> Settings:
+        if self.stop_grace_s > self.max_stop_grace_s:
+            raise ValueError(
+                f"stop_grace_s ({self.stop_grace_s:g}) must not exceed max_stop_grace_s"
+                f" ({self.max_stop_grace_s:g})"
+            )
+        return self
 
     @model_validator(mode="after")
     def _tls_needs_both(self) -> Settings:

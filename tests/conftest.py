@@ -280,3 +280,22 @@ def is_healthy(url: str, verify: str | bool = True) -> bool:
         return requests.get(f"{url}/api/healthz", timeout=1, verify=verify).status_code == 200
     except requests.exceptions.RequestException:
         return False
+
+
+def host_pids(pids: list[int], driver_pid: int) -> list[int]:
+    """The node's pids of processes of a job that wrote their own (`$$`): in the job's PID
+    namespace (where the host allows one), those are the namespace's."""
+    namespace = os.readlink(f"/proc/{driver_pid}/ns/pid_for_children")
+    if namespace == os.readlink("/proc/self/ns/pid"):
+        return pids
+    on_the_node = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{name}/ns/pid") == namespace:
+                with open(f"/proc/{name}/status") as status:
+                    for line in status:
+                        if line.startswith("NSpid:"):
+                            on_the_node[int(line.split()[-1])] = int(name)
+    return [on_the_node[pid] for pid in pids]

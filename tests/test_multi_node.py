@@ -26,6 +26,7 @@ from tests.conftest import (
     RAY_BIN,
     TERMINAL_STATUSES,
     free_port,
+    host_pids,
     job_logs,
     start_jobs_server,
     stop_process_group,
@@ -413,7 +414,10 @@ async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
         expected = BURST_THEN_SLOW_OUTPUT + "ready\n"
         assert await follow_until(http, job_id, "ready\n") == expected
         wait_until(lambda: len(pid_file.read_text().split()) == 2, 30, "the job's pids")
-        job_pids = [int(pid) for pid in pid_file.read_text().split()]
+        job_pids = host_pids(
+            [int(pid) for pid in pid_file.read_text().split()], int(running["driver_info"]["pid"])
+        )
+        pid_file.write_text(" ".join(map(str, job_pids)))  # what the cleanup below kills
         assert all(_is_running(pid) for pid in job_pids)
 
         doomed.raylet().kill()

@@ -23,6 +23,7 @@ from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import (
     free_port,
+    host_pids,
     job_logs,
     kill_actors_in_namespace,
     start_jobs_server,
@@ -93,6 +94,7 @@ async def test_stop_kills_the_whole_tree(client: Client, tmp_path: Path) -> None
     job_id = await submit(client, entrypoint=process_zoo(tmp_path))
     pids = await wait_for_pid_files(tmp_path, ZOO)
     job = await wait_for_status(client, job_id, {"RUNNING"})
+    pids = host_pids(pids, int(job["driver_info"]["pid"]))
     pids.append(int(job["driver_info"]["pid"]))
     assert all(is_alive(pid) for pid in pids)
     response = await client.post(f"/api/jobs/{job_id}/stop")
@@ -104,9 +106,15 @@ async def test_stop_kills_the_whole_tree(client: Client, tmp_path: Path) -> None
 async def test_processes_left_behind_by_a_finished_job_end_with_it(
     client: Client, tmp_path: Path
 ) -> None:
-    entrypoint = f"cd {tmp_path}; setsid sh -c 'echo $$ > setsid.pid; exec sleep 300' & sleep 0.5"
+    entrypoint = (
+        f"cd {tmp_path}; setsid sh -c 'echo $$ > setsid.pid; exec sleep 300' &"
+        " while [ ! -e go ]; do sleep 0.05; done"
+    )
     job_id = await submit(client, entrypoint=entrypoint)
     (pid,) = await wait_for_pid_files(tmp_path, ["setsid.pid"])
+    job = await wait_for_status(client, job_id, {"RUNNING"})
+    (pid,) = host_pids([pid], int(job["driver_info"]["pid"]))
+    (tmp_path / "go").touch()
     assert (await wait_for_status(client, job_id))["status"] == "SUCCEEDED"
     await wait_until_dead([pid])
 
@@ -140,6 +148,7 @@ async def test_supervisor_death_kills_every_job_process_and_fails_the_job(
     pids = await wait_for_pid_files(tmp_path, ZOO)
     job = await wait_for_status(client, job_id, {"RUNNING"})
     shell_pid = int(job["driver_info"]["pid"])
+    pids = host_pids(pids, shell_pid)
     supervisor_pid = psutil.Process(shell_pid).ppid()
     assert "ray::" in " ".join(psutil.Process(supervisor_pid).cmdline())
     os.kill(supervisor_pid, signal.SIGKILL)

@@ -1,9 +1,11 @@
 """A job's processes: starting its command, finding every process it made, and ending them.
 
-Each job's processes carry a marker in their environment (`JOBS_SERVER_JOB_TOKEN`), inherited by
-every child, so a process that called `setsid` or double-forked is still found. The supervisor is a
-child subreaper (orphans are re-parented to it instead of init), so they also stay in its subtree
-and it can reap them.
+Where the host allows it, a job runs in a PID namespace of its own (`containment.py`), and the
+kernel holds its processes together. Either way, each job's processes carry a marker in their
+environment (`JOBS_SERVER_JOB_TOKEN`), inherited by every child, so a process that called
+`setsid` or double-forked is still found (the only way without a namespace; with one, it finds a
+namespace whose launcher died). The supervisor is a child subreaper (orphans are re-parented to it
+instead of init), so they also stay in its subtree and it can reap them.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from jobs_server.manager.containment import Containment, launch_argv
+
 logger = logging.getLogger(__name__)
 
-SHELL = "/bin/sh"
 JOB_TOKEN_ENV_VAR = "JOBS_SERVER_JOB_TOKEN"
 # A SIGKILLed process may take a moment to leave the process table.
 _KILL_ROUNDS = 5
@@ -41,22 +46,59 @@ def become_child_subreaper() -> bool:
 
 
 async def start_entrypoint(
-    entrypoint: str, *, log_path: Path, env: Mapping[str, str]
+    entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
 ) -> asyncio.subprocess.Process:
-    """Run `entrypoint` with `/bin/sh -c` in a new session; stdout and stderr go to the log."""
+    """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
+    `containment` says so); stdout and stderr go to the log. Return once the command runs."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if containment != Containment.PID_NAMESPACE:
+        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
+    started_r, started_w = os.pipe()
+    try:
+        try:
+            process = await _spawn(
+                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
+            )
+        finally:
+            os.close(started_w)
+        # The launcher takes a Python start before the shell runs: RUNNING means it runs.
+        await _wait_for_eof(started_r)
+    finally:
+        os.close(started_r)
+    return process
+
+
+async def _spawn(
+    argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
+) -> asyncio.subprocess.Process:
     with log_path.open("ab") as log_file:
         # The child keeps its own copy of the descriptor; ours closes when this block ends.
         return await asyncio.create_subprocess_exec(
-            SHELL,
-            "-c",
-            entrypoint,
+            *argv,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
             stderr=subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
+            pass_fds=pass_fds,
         )
+
+
+async def _wait_for_eof(fd: int) -> None:
+    """Return when every write end of the pipe `fd` reads from has closed (nobody writes to it,
+    so readable means that)."""
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not closed.done():
+            closed.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await closed
+    finally:
+        loop.remove_reader(fd)
 
 
 def find_job_processes(
@@ -149,23 +191,55 @@ def signal_job_processes(
     sig: signal.Signals,
     root_pid: int | None = None,
     *,
+    containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
 ) -> int:
-    """Send `sig` to every process of the job; return how many were signalled."""
-    signalled = 0
-    for pid in find_job_processes(job_token, root_pid, other_roots=other_roots):
+    """Send `sig` to every process of the job at once; return how many were signalled.
+
+    At once, because a shell that sees its child die before it is signalled itself runs its
+    next command. In a PID namespace, the launcher (`root_pid`) passes the signal to the
+    namespace's init, which sends it to the whole namespace in one call (SIGKILL to the
+    launcher's group, itself and the init, ends the namespace). Without one, the command's
+    process group first (one call, the processes a shell waits for), then its session and
+    every other process it owns.
+    """
+    root = root_pid if root_pid is not None and _is_alive(root_pid) else None
+    if root is not None and containment == Containment.PID_NAMESPACE and sig != signal.SIGKILL:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-            signalled += 1
-    return signalled
+            os.kill(root, sig)
+        return 1  # its namespace holds every other process of it
+    found = find_job_processes(job_token, root_pid, other_roots=other_roots)
+    if root is not None:
+        with contextlib.suppress(ProcessLookupError):
+            # The command runs in a session of its own: its group id is its pid.
+            os.killpg(root, sig)
+    for pid in found:
+        if root is None or _group_of(pid) != root:  # else signalled with its group
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    return len(found)
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 async def kill_job_processes(
-    job_token: str, root_pid: int | None = None, *, other_roots: frozenset[int] = frozenset()
+    job_token: str,
+    root_pid: int | None = None,
+    *,
+    containment: Containment = Containment.MARKER,
+    other_roots: frozenset[int] = frozenset(),
 ) -> None:
     """SIGKILL the job's processes until none is left (a forking process may add one meanwhile)."""
     for _ in range(_KILL_ROUNDS):
-        if signal_job_processes(job_token, signal.SIGKILL, root_pid, other_roots=other_roots) == 0:
+        killed = signal_job_processes(
+            job_token, signal.SIGKILL, root_pid, containment=containment, other_roots=other_roots
+        )
+        if killed == 0:
             return
         await asyncio.sleep(_KILL_ROUND_WAIT_S)
 
@@ -178,17 +252,60 @@ def reap_orphans(keep: set[int]) -> None:
                 os.waitpid(child, os.WNOHANG)
 
 
+@dataclass
+class StopDeadline:
+    """When a stopping job's grace period ends. A later stop with a shorter grace period moves
+    it earlier (never later), as a second `kubectl delete --grace-period` does."""
+
+    at_s: float
+    """On the `time.monotonic()` clock."""
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @classmethod
+    def after(cls, grace_period_s: float) -> StopDeadline:
+        return cls(at_s=time.monotonic() + grace_period_s)
+
+    def shorten_to(self, grace_period_s: float) -> None:
+        """End the grace period `grace_period_s` from now, if that is sooner."""
+        at_s = time.monotonic() + grace_period_s
+        if at_s < self.at_s:
+            self.at_s = at_s
+            self.moved.set()
+
+    async def wait_for_exit(self, process: asyncio.subprocess.Process) -> None:
+        """Return when the process exits or the deadline (as it is by then) passes."""
+        exited = asyncio.ensure_future(process.wait())
+        try:
+            while not exited.done():
+                self.moved.clear()
+                moved = asyncio.ensure_future(self.moved.wait())
+                await asyncio.wait(
+                    {exited, moved},
+                    timeout=max(0.0, self.at_s - time.monotonic()),
+                    return_when=asyncio.FIRST_COMPLETED,
+                )
+                moved.cancel()
+                if not moved.done() and time.monotonic() >= self.at_s:
+                    return
+        finally:
+            exited.cancel()
+
+
 async def stop_job_processes(
     process: asyncio.subprocess.Process,
     *,
     job_token: str,
-    grace_period_s: float,
+    deadline: StopDeadline,
+    containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
 ) -> int:
-    """SIGTERM every process of the job, wait up to the grace period for the command to exit,
-    then SIGKILL what is left. Return the command's exit code (negative: the ending signal)."""
-    signal_job_processes(job_token, signal.SIGTERM, process.pid, other_roots=other_roots)
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(process.wait(), timeout=grace_period_s)
-    await kill_job_processes(job_token, process.pid, other_roots=other_roots)
+    """SIGTERM every process of the job, wait until the deadline for the command to exit, then
+    SIGKILL what is left. Return the command's exit code (negative: the ending signal)."""
+    signal_job_processes(
+        job_token, signal.SIGTERM, process.pid, containment=containment, other_roots=other_roots
+    )
+    await deadline.wait_for_exit(process)
+    await kill_job_processes(
+        job_token, process.pid, containment=containment, other_roots=other_roots
+    )
     return await process.wait()

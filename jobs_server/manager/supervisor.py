@@ -26,12 +26,14 @@ import ray
 from pydantic import BaseModel, ConfigDict
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.containment import Containment, detect_containment
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
     JOB_TOKEN_ENV_VAR,
+    StopDeadline,
     become_child_subreaper,
     kill_job_processes,
     reap_orphans,
@@ -80,7 +82,8 @@ class _JobRun:
     exited: asyncio.Event = field(default_factory=asyncio.Event)
     log_drained: asyncio.Event = field(default_factory=asyncio.Event)
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    stop_grace_s: float = 0.0
+    stop_deadline: StopDeadline | None = None
+    """Set by the first stop (or the timeout); a later stop may bring it forward."""
     task: asyncio.Task[JobStatus] | None = None
     pid: int | None = None
 
@@ -98,6 +101,8 @@ class JobSupervisor:
         self._arrivals: dict[str, asyncio.Event] = {}
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
+        self._containment: Containment | None = None
+        self._preparing = asyncio.Lock()
         self._store: JobStore | None = None
         # Commands being started: a child that exits before its run records its pid must not
         # be taken for an orphan and reaped, or asyncio never learns its exit code.
@@ -126,7 +131,7 @@ class JobSupervisor:
             await asyncio.wait({run.task})
             run = self._runs.get(job.submission_id)
         if run is None:
-            run = _JobRun(job=job, log_path=self._log_path_here(job), stop_grace_s=job.stop_grace_s)
+            run = _JobRun(job=job, log_path=self._log_path_here(job))
             self._runs[job.submission_id] = run
             run.task = asyncio.create_task(self._run(run))
             run.task.add_done_callback(functools.partial(self._forget_run, run))
@@ -178,12 +183,12 @@ class JobSupervisor:
         return data, complete
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
-        """Ask a job to stop: SIGTERM now, SIGKILL after the grace period."""
+        """Ask a job to stop: SIGTERM now, SIGKILL after the grace period. Asked again while it
+        stops, a shorter grace period ends the running one sooner."""
         run = self._runs.get(submission_id)
         if run is None:
             return False
-        if grace_period_s is not None:
-            run.stop_grace_s = grace_period_s
+        _end_grace_within(run, run.job.stop_grace_s if grace_period_s is None else grace_period_s)
         run.stop_requested.set()
         return True
 
@@ -216,7 +221,7 @@ class JobSupervisor:
         record = await store.get(job.submission_id, job.run_id)
         if record.status.is_terminal() or record.run_id != job.run_id:
             return record.status
-        self._ensure_guardian()
+        containment = await self._prepare_processes()
         job_token = secrets.token_hex(16)
         self._starting += 1
         if run.log_path != job.log_path:
@@ -226,7 +231,10 @@ class JobSupervisor:
             self._spools[job.submission_id] = run.log_path
         try:
             process = await start_entrypoint(
-                job.entrypoint, log_path=run.log_path, env=self._driver_env(job, job_token)
+                job.entrypoint,
+                log_path=run.log_path,
+                env=self._driver_env(job, job_token),
+                containment=containment,
             )
             run.pid = process.pid
         except OSError as error:
@@ -258,14 +266,16 @@ class JobSupervisor:
                 await stop_job_processes(
                     process,
                     job_token=job_token,
-                    grace_period_s=0,
+                    deadline=StopDeadline.after(0),
+                    containment=containment,
                     other_roots=self._other_roots(run),
                 )
                 run.exited.set()
                 return record.status
-            return (await self._wait_for_end(run, process, job_token)).status
+            return (await self._wait_for_end(run, process, job_token, containment)).status
         finally:
-            # Whatever the command left behind ends with it.
+            # Whatever the command left behind ends with it (in a PID namespace, the kernel
+            # saw to it; this finds a namespace whose launcher was killed).
             await kill_job_processes(job_token, other_roots=self._other_roots(run))
             if not self._starting:
                 reap_orphans(keep=self._running_pids())
@@ -278,13 +288,22 @@ class JobSupervisor:
         """The commands of this supervisor's other jobs: not orphans of `run`'s."""
         return frozenset(self._running_pids() - {run.pid} if run.pid is not None else ())
 
-    def _ensure_guardian(self) -> None:
-        if self._guardian is None:
-            self._guardian = start_guardian(self._supervisor_token)
-            become_child_subreaper()
+    async def _prepare_processes(self) -> Containment:
+        """Before the first job: start the guardian, learn what contains a job on this node,
+        then become a subreaper (in this order: see `start_guardian`, `detect_containment`)."""
+        async with self._preparing:
+            if self._containment is None:
+                self._guardian = start_guardian(self._supervisor_token)
+                self._containment = await asyncio.to_thread(detect_containment)
+                become_child_subreaper()
+            return self._containment
 
     async def _wait_for_end(
-        self, run: _JobRun, process: asyncio.subprocess.Process, job_token: str
+        self,
+        run: _JobRun,
+        process: asyncio.subprocess.Process,
+        job_token: str,
+        containment: Containment,
     ) -> JobRecord:
         job = run.job
         exited = asyncio.ensure_future(process.wait())
@@ -298,7 +317,9 @@ class JobSupervisor:
         exit_code = await stop_job_processes(
             process,
             job_token=job_token,
-            grace_period_s=run.stop_grace_s,
+            # A stop set it; a timeout did not.
+            deadline=run.stop_deadline or _end_grace_within(run, job.stop_grace_s),
+            containment=containment,
             other_roots=self._other_roots(run),
         )
         if run.stop_requested.is_set():
@@ -369,6 +390,16 @@ class JobSupervisor:
             }
         )
         return env
+
+
+def _end_grace_within(run: _JobRun, grace_period_s: float) -> StopDeadline:
+    """Start the job's grace period, or bring a running one forward to end within
+    `grace_period_s` from now."""
+    if run.stop_deadline is None:
+        run.stop_deadline = StopDeadline.after(grace_period_s)
+    else:
+        run.stop_deadline.shorten_to(grace_period_s)
+    return run.stop_deadline
 
 
 def _failure_message(exit_code: int, log_tail: str) -> str:

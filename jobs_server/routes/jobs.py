@@ -101,6 +101,7 @@ async def stop_job(request: web.Request) -> web.Response:
     grace_period_s = _grace_period_from_query(request)
     if body is not None and body.grace_period_s is not None:
         grace_period_s = body.grace_period_s
+    _check_grace_ceiling(grace_period_s, request.app[SETTINGS_KEY].max_stop_grace_s)
     stopped = await request.app[JOB_MANAGER_KEY].stop_job(
         request.match_info["job_id"], grace_period_s=grace_period_s
     )
@@ -125,3 +126,12 @@ def _grace_period_from_query(request: web.Request) -> float | None:
         raise InvalidRequestError(
             f"grace_period_s: expected a finite number of seconds >= 0, got {raw!r}"
         ) from error
+
+
+def _check_grace_ceiling(grace_period_s: float | None, max_stop_grace_s: float) -> None:
+    """A grace period without a ceiling would make a job that ignores SIGTERM unkillable."""
+    if grace_period_s is not None and grace_period_s > max_stop_grace_s:
+        raise InvalidRequestError(
+            f"grace_period_s: at most {max_stop_grace_s:g} s (the server's --max-stop-grace-s),"
+            f" got {grace_period_s:g}"
+        )

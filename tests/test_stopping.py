@@ -1,0 +1,148 @@
+"""A stop ends all of a job at once, and a ceiling bounds its grace period (real Ray and processes).
+
+A shell that sees its child die before it gets the signal itself runs its next command; a
+grace period of 1e9 s would make a job that ignores SIGTERM unkillable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from jobs_server.manager.containment import Containment
+from jobs_server.manager.process import signal_job_processes, start_entrypoint
+from jobs_server.settings import Settings
+from tests.conftest import job_logs, submit, wait_for_status
+
+Client = TestClient[Any, Any]
+
+STOPPED_JOBS = 100
+NEVER_FINISHES = "sleep 60; echo finished"
+IGNORES_SIGTERM = "trap '' TERM; echo ready; sleep 1000"
+
+
+async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float = 60) -> None:
+    """Wait until the job's log is `text` (a job that says it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while await job_logs(client, job_id) != text:
+        assert time.monotonic() < deadline, f"job {job_id} never wrote {text!r}"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_stopped_shell_runs_no_further_command(client: Client) -> None:
+    job_ids = await asyncio.gather(
+        *(submit(client, entrypoint=NEVER_FINISHES) for _ in range(STOPPED_JOBS))
+    )
+    for job_id in job_ids:
+        await wait_for_status(client, job_id, {"RUNNING"})
+    stops = await asyncio.gather(*(client.post(f"/api/jobs/{job_id}/stop") for job_id in job_ids))
+    assert [response.status for response in stops] == [200] * STOPPED_JOBS
+    jobs = [await wait_for_status(client, job_id, timeout_s=120) for job_id in job_ids]
+    assert {job["status"] for job in jobs} == {"STOPPED"}
+    logs = {job_id: await job_logs(client, job_id) for job_id in job_ids}
+    assert {job_id: log for job_id, log in logs.items() if log} == {}
+
+
+@pytest.mark.parametrize("containment", list(Containment))
+async def test_a_stop_reaches_the_shell_and_its_child_at_once(
+    tmp_path: Path, containment: Containment
+) -> None:
+    """Without Ray, for each containment (the marker one is what a host without namespaces
+    gets): the shell never runs the command after the one that was stopped."""
+    if containment is Containment.PID_NAMESPACE and os.geteuid() != 0:
+        pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    token = "stop-test"
+    runs = []
+    for index in range(20):
+        log_path = tmp_path / f"{index}.log"
+        process = await start_entrypoint(
+            NEVER_FINISHES,
+            log_path=log_path,
+            env={**os.environ, "JOBS_SERVER_JOB_TOKEN": f"{token}-{index}"},
+            containment=containment,
+        )
+        runs.append((process, log_path, f"{token}-{index}"))
+    await asyncio.sleep(0.5)  # let the shells start their sleep
+    try:
+        for process, _, job_token in runs:
+            signal_job_processes(job_token, signal.SIGTERM, process.pid, containment=containment)
+        codes = [await asyncio.wait_for(process.wait(), 30) for process, _, _ in runs]
+    finally:
+        for process, _, _ in runs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+    await asyncio.sleep(0.2)
+    assert codes == [-signal.SIGTERM] * len(runs)
+    assert [log_path.read_bytes() for _, log_path, _ in runs] == [b""] * len(runs)
+
+
+@pytest.mark.parametrize(
+    ("query", "body"),
+    [("", {"grace_period_s": 1e9}), ("?grace_period_s=301", None), ("", {"grace_period_s": 300.5})],
+)
+async def test_a_grace_period_over_the_ceiling_is_refused_and_changes_nothing(
+    client: Client, query: str, body: dict[str, Any] | None
+) -> None:
+    job_id = await submit(client, entrypoint="sleep 60")
+    await wait_for_status(client, job_id, {"RUNNING"})
+    response = await client.post(f"/api/jobs/{job_id}/stop{query}", json=body)
+    assert response.status == 400
+    error = (await response.json())["error"]
+    assert error["code"] == "invalid_request"
+    assert error["message"].startswith("grace_period_s: ")
+    assert "300" in error["message"]
+    await asyncio.sleep(1)
+    assert (await wait_for_status(client, job_id, {"RUNNING"}))["status"] == "RUNNING"
+    assert await (await client.post(f"/api/jobs/{job_id}/stop")).json() == {"stopped": True}
+    assert (await wait_for_status(client, job_id))["status"] == "STOPPED"
+
+
+async def test_a_second_stop_with_a_shorter_grace_shortens_the_running_one(
+    client: Client,
+) -> None:
+    job_id = await submit(client, entrypoint=IGNORES_SIGTERM)
+    await wait_for_log(client, job_id, "ready\n")
+    first = await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 100})
+    assert await first.json() == {"stopped": True}
+    await asyncio.sleep(1)
+    assert (await wait_for_status(client, job_id, {"RUNNING"}))["status"] == "RUNNING"
+    second = await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 0.5})
+    assert await second.json() == {"stopped": True}
+    # Far below the first grace period: only the second one can end it in time.
+    job = await wait_for_status(client, job_id, timeout_s=30)
+    assert job["status"] == "STOPPED"
+    assert job["driver_exit_code"] == -signal.SIGKILL
+
+
+async def test_a_second_stop_with_a_longer_grace_does_not_lengthen_it(client: Client) -> None:
+    job_id = await submit(client, entrypoint=IGNORES_SIGTERM)
+    await wait_for_log(client, job_id, "ready\n")
+    await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 1})
+    await client.post(f"/api/jobs/{job_id}/stop", json={"grace_period_s": 200})
+    # Far below the second grace period: only the first one can end it in time.
+    assert (await wait_for_status(client, job_id, timeout_s=60))["status"] == "STOPPED"
+
+
+def test_the_ceiling_is_a_setting_with_a_flag_and_a_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from jobs_server.cli import build_parser, load_settings
+
+    assert Settings().max_stop_grace_s == 300
+    monkeypatch.setenv("JOBS_SERVER_MAX_STOP_GRACE_S", "60")
+    assert Settings().max_stop_grace_s == 60
+    flags = vars(
+        build_parser().parse_args(["serve", "--max-stop-grace-s", "7", "--stop-grace-s", "2"])
+    )
+    flags.pop("command")
+    assert load_settings(flags).max_stop_grace_s == 7
+    with pytest.raises(ValueError, match="stop_grace_s"):
+        Settings(stop_grace_s=10, max_stop_grace_s=5)
