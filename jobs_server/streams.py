@@ -77,10 +77,11 @@ class OpenStream:
     async def serve_websocket(
         self, websocket: web.WebSocketResponse, texts: AsyncIterable[str]
     ) -> None:
-        """Send `texts` as text frames, closing with 1000 when they are all sent (1001 when the
-        server is shutting down), while reading from the client: that is how a closed connection
-        is noticed (the client sends nothing else). Whichever ends first ends the other."""
-        sender = asyncio.create_task(self._send_texts(websocket, texts))
+        """Send `texts` as text frames while reading from the client, which is how a closed
+        connection is noticed (the client sends nothing else); whichever ends first ends the
+        other. Then close: 1000 when the texts were all sent, 1001 when the server is shutting
+        down (nothing to do if the client closed first)."""
+        sender = asyncio.create_task(_send_texts(websocket, texts))
         receiver = asyncio.create_task(_receive_until_closed(websocket))
         try:
             await asyncio.wait([sender, receiver], return_when=asyncio.FIRST_COMPLETED)
@@ -91,14 +92,12 @@ class OpenStream:
             await asyncio.wait([sender, receiver])
         if not sender.cancelled() and (error := sender.exception()) is not None:
             raise error
+        await websocket.close(code=WSCloseCode.GOING_AWAY if self.shutting_down else WSCloseCode.OK)
 
-    async def _send_texts(
-        self, websocket: web.WebSocketResponse, texts: AsyncIterable[str]
-    ) -> None:
-        async for text in texts:
-            await websocket.send_str(text)
-        code = WSCloseCode.GOING_AWAY if self.shutting_down else WSCloseCode.OK
-        await websocket.close(code=code)
+
+async def _send_texts(websocket: web.WebSocketResponse, texts: AsyncIterable[str]) -> None:
+    async for text in texts:
+        await websocket.send_str(text)
 
 
 async def _receive_until_closed(websocket: web.WebSocketResponse) -> None:

@@ -9,12 +9,13 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import pytest
-from aiohttp import ClientTimeout
+from aiohttp import ClientTimeout, web
 from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
@@ -42,6 +43,36 @@ FOLLOWER_KINDS = {
 
 
 @dataclass(frozen=True)
+class Served:
+    """The app on a loopback port, and a session with its base URL."""
+
+    http: aiohttp.ClientSession
+    port: int
+
+
+@pytest.fixture
+async def served(request: pytest.FixtureRequest, settings: Settings) -> AsyncIterator[Served]:
+    """The app served as `jobs-server serve` serves it (a client that leaves does not cancel
+    its handler), or, with the parameter True, as aiohttp's test server does (it does)."""
+    runner = web.AppRunner(
+        create_app(settings), handler_cancellation=getattr(request, "param", False)
+    )
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = int(runner.addresses[0][1])
+    try:
+        async with aiohttp.ClientSession(f"http://127.0.0.1:{port}") as http:
+            yield Served(http, port)
+    finally:
+        await runner.cleanup()
+
+
+LEAVING_MODES = pytest.mark.parametrize(
+    "served", [False, True], ids=["as-served", "handler-cancellation"], indirect=True
+)
+
+
+@dataclass(frozen=True)
 class RawRequest:
     """A request on a connection of its own, so that a test can read part of the answer and
     then hang up, as a client that leaves does."""
@@ -61,8 +92,8 @@ class RawRequest:
         self.writer.close()
 
 
-async def open_raw(client: Client, path: str, extra_headers: str = "") -> RawRequest:
-    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+async def open_raw(served: Served, path: str, extra_headers: str = "") -> RawRequest:
+    reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
     writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n{extra_headers}\r\n".encode())
     await writer.drain()
     return RawRequest(reader, writer)
@@ -76,8 +107,8 @@ def server_errors(caplog: pytest.LogCaptureFixture) -> list[str]:
     ]
 
 
-async def counted_500s(client: Client) -> list[str]:
-    metrics = await (await client.get("/metrics")).text()
+async def counted_500s(http: aiohttp.ClientSession) -> list[str]:
+    metrics = await (await http.get("/metrics")).text()
     return [
         line
         for line in metrics.splitlines()
@@ -102,45 +133,49 @@ async def poll_until(predicate: Callable[[], bool], timeout_s: float, what: str)
         await asyncio.sleep(0.05)
 
 
+@LEAVING_MODES
 async def test_clients_that_leave_mid_stream_are_not_errors(
-    client: Client, caplog: pytest.LogCaptureFixture
+    served: Served, settings: Settings, caplog: pytest.LogCaptureFixture
 ) -> None:
+    client = served.http
     caplog.set_level(logging.INFO)
-    busy = await submit(
-        client, entrypoint="for i in $(seq 1 300); do echo line $i; sleep 0.02; done"
-    )
     big = await submit(client, entrypoint=BIG_LOG_ENTRYPOINT)
     await wait_for_status(client, big)
+    busy = await submit(
+        client, entrypoint="for i in $(seq 1 400); do echo line $i; sleep 0.05; done"
+    )
+    await wait_for_status(client, busy, {"RUNNING"})
     followers = [
-        await open_raw(client, f"/api/jobs/{busy}{path}", headers)
+        await open_raw(served, f"/api/jobs/{busy}{path}", headers)
         for path, headers in FOLLOWER_KINDS.values()
         for _ in range(FOLLOWERS_PER_KIND)
     ]
-    downloads = [await open_raw(client, f"/api/jobs/{big}/logs") for _ in range(FOLLOWERS_PER_KIND)]
+    downloads = [await open_raw(served, f"/api/jobs/{big}/logs") for _ in range(FOLLOWERS_PER_KIND)]
     for follower in followers:
-        await follower.read_until(b"line 1\n")
+        await follower.read_until(b"line ")
     for download in downloads:
         await download.read_until(b"aaaa")
     # They leave while the job still writes: the server's next writes find them gone.
     for request in [*followers, *downloads]:
         request.hang_up()
     await wait_for_status(client, busy)
-    await poll_until(
-        lambda: not any(name.endswith(".log") for name in open_files()), 10, "log files closed"
-    )
+    log_paths = {str(settings.log_dir / f"job-driver-{job}.log") for job in (busy, big)}
+    await poll_until(lambda: not log_paths & set(open_files()), 10, "the log files to be closed")
     assert server_errors(caplog) == []
     assert await counted_500s(client) == []
 
 
+@LEAVING_MODES
 async def test_followers_that_leave_release_their_file_and_task_at_once(
-    client: Client, settings: Settings
+    served: Served, settings: Settings
 ) -> None:
+    client = served.http
     job_id = await submit(client, entrypoint="echo ready; sleep 300")
     await wait_for_status(client, job_id, {"RUNNING"})
     log_path = str(settings.log_dir / f"job-driver-{job_id}.log")
     files_before, tasks_before = len(open_files()), len(asyncio.all_tasks())
     followers = [
-        await open_raw(client, f"/api/jobs/{job_id}{path}", headers)
+        await open_raw(served, f"/api/jobs/{job_id}{path}", headers)
         for path, headers in FOLLOWER_KINDS.values()
         for _ in range(FOLLOWERS_PER_KIND)
     ]
@@ -162,7 +197,8 @@ async def test_followers_that_leave_release_their_file_and_task_at_once(
     await client.post(f"/api/jobs/{job_id}/stop", json={})
 
 
-async def test_a_job_deleted_during_a_range_read_ends_it_cleanly(client: Client) -> None:
+async def test_a_job_deleted_during_a_range_read_ends_it_cleanly(served: Served) -> None:
+    client = served.http
     job_id = await submit(client, entrypoint=BIG_LOG_ENTRYPOINT)
     await wait_for_status(client, job_id)
     async with client.get(f"/api/jobs/{job_id}/logs", params={"offset": 0}) as response:
@@ -180,7 +216,8 @@ async def test_a_job_deleted_during_a_range_read_ends_it_cleanly(client: Client)
     assert (await client.get(f"/api/jobs/{job_id}/logs")).status == 404
 
 
-async def test_a_job_deleted_during_an_sse_read_ends_it_cleanly(client: Client) -> None:
+async def test_a_job_deleted_during_an_sse_read_ends_it_cleanly(served: Served) -> None:
+    client = served.http
     job_id = await submit(client, entrypoint=BIG_LOG_ENTRYPOINT)
     await wait_for_status(client, job_id)
     async with client.get(f"/api/jobs/{job_id}/logs/stream") as response:
@@ -196,7 +233,8 @@ async def test_a_job_deleted_during_an_sse_read_ends_it_cleanly(client: Client) 
     assert all("event" not in event for event in events)
 
 
-async def test_head_on_a_follow_answers_at_once(client: Client) -> None:
+async def test_head_on_a_follow_answers_at_once(served: Served) -> None:
+    client = served.http
     job_id = await submit(client, entrypoint="echo ready; sleep 300")
     await wait_for_status(client, job_id, {"RUNNING"})
     timeout = ClientTimeout(total=30)  # the job runs for 300 s: this must not wait for it
