@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -23,6 +27,7 @@ from tests.conftest import (
     wait_for_server,
     wait_for_status,
 )
+from tests.test_multi_node import start_ray_node
 
 SHUTDOWN_TIMEOUT_S = 5.0
 # Room for the cleanup after the streams ended (the manager, leaving Ray) on a loaded machine;
@@ -32,6 +37,8 @@ EXIT_MARGIN_S = 20.0
 EMBEDDED_NODE_IP = "127.0.0.41"
 SECRET_TOKEN = f"token-{uuid.uuid4().hex}"
 SECRET_FILE_TOKEN = f"file-token-{uuid.uuid4().hex}"
+SECRET_NODE_IP = "127.0.0.42"
+SECRET_NODE_RESOURCE = "node_with_the_token"
 
 
 class Server:
@@ -121,12 +128,43 @@ async def test_followers_are_ended_at_shutdown(joined_server: Server, signal_num
     assert "Traceback" not in joined_server.output()
 
 
+@pytest.fixture
+def node_with_the_token(ray_connection: str) -> Iterator[None]:
+    """A worker node of the test cluster started from an environment that holds the server's
+    token (as when `ray start` and `jobs-server serve` share a shell or an EnvironmentFile);
+    only it has the `SECRET_NODE_RESOURCE`."""
+    # Short: Ray's socket paths under it must fit in 107 bytes.
+    temp_dir = Path(tempfile.mkdtemp(prefix="jss", dir="/tmp"))
+    (temp_dir / "tmp").mkdir()
+    node = start_ray_node(
+        [
+            f"--address={ray_connection}",
+            "--num-cpus=1",
+            f"--resources={json.dumps({SECRET_NODE_RESOURCE: 1})}",
+            f"--temp-dir={temp_dir}",
+        ],
+        SECRET_NODE_IP,
+        temp_dir / "node.log",
+        env={**os.environ, "JOBS_SERVER_AUTH_TOKEN": SECRET_TOKEN, "TMPDIR": str(temp_dir / "tmp")},
+    )
+    try:
+        node.wait_until_started()
+        yield
+    finally:
+        stop_process_group(node.process, timeout_s=5)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.mark.parametrize(
     ("mode", "secret_source"),
-    [("embedded", "env"), ("joined", "env"), ("joined", "file")],
+    [("embedded", "env"), ("joined", "env"), ("joined", "file"), ("joined", "node env")],
 )
 async def test_a_job_inherits_none_of_the_servers_secrets(
-    ray_connection: str, tmp_path: Path, mode: str, secret_source: str
+    request: pytest.FixtureRequest,
+    ray_connection: str,
+    tmp_path: Path,
+    mode: str,
+    secret_source: str,
 ) -> None:
     token_file = tmp_path / "token"
     token_file.write_text(SECRET_FILE_TOKEN + "\n")
@@ -138,6 +176,10 @@ async def test_a_job_inherits_none_of_the_servers_secrets(
         args = ["--ray-address", "local", "--embedded-ray-node-ip", EMBEDDED_NODE_IP]
     else:
         args = ["--ray-address", ray_connection]
+    job_resources: dict[str, Any] = {}
+    if secret_source == "node env":
+        request.getfixturevalue("node_with_the_token")
+        job_resources = {"entrypoint_resources": {SECRET_NODE_RESOURCE: 1}}
     server = Server(tmp_path, args, env=env)
     try:
         await asyncio.to_thread(wait_for_server, server.url, server.process, server.log_path, 120)
@@ -145,16 +187,22 @@ async def test_a_job_inherits_none_of_the_servers_secrets(
         async with aiohttp.ClientSession(server.url, headers=headers) as http:
             # The job's own environment, and that of the process that started it (a Ray worker).
             job_id = await submit(
-                http, entrypoint="env; echo ---; tr '\\0' '\\n' < /proc/$PPID/environ"
+                http,
+                entrypoint="env; echo ---; tr '\\0' '\\n' < /proc/$PPID/environ",
+                **job_resources,
             )
             job = await wait_for_status(http, job_id, timeout_s=120)
             logs = await job_logs(http, job_id)
         assert job["status"] == "SUCCEEDED", logs
-        # It did print both environments.
-        assert "RAY_ADDRESS=" in logs
-        assert "---" in logs
-        assert SECRET_TOKEN not in logs
-        assert SECRET_FILE_TOKEN not in logs
+        job_env, _, ray_worker_env = logs.partition("---\n")
+        assert "RAY_ADDRESS=" in job_env
+        assert "RAY_ADDRESS=" in ray_worker_env
+        for secret in (SECRET_TOKEN, SECRET_FILE_TOKEN):
+            assert secret not in job_env
+            # Nor did the server hand its secrets to Ray's processes (a node started with the
+            # token in its environment has it, but passes it to no job).
+            if secret_source != "node env":
+                assert secret not in ray_worker_env
         assert await server.exit_code_after(signal.SIGTERM, 60) == 0, server.output()
     finally:
         server.stop()

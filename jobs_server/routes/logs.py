@@ -152,7 +152,7 @@ def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
 @routes.get("/api/jobs/{job_id}/logs/tail", name="tail_job_logs")
 async def tail_job_logs(request: web.Request) -> web.StreamResponse:
     """Websocket: text frames of the log; closes with 1000 once the job has ended and every
-    byte was sent."""
+    byte was sent, with 1001 when the server shuts down."""
     query = _parse_query(request, LogStreamQuery)
     chunks = await request.app[JOB_MANAGER_KEY].read_logs(
         request.match_info["job_id"], offset=query.offset, follow=True, idle_tick_s=CLIENT_CHECK_S
