@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp_cors
@@ -19,6 +20,7 @@ from jobs_server.keys import (
     METRICS_KEY,
     PACKAGE_STORE_KEY,
     SETTINGS_KEY,
+    SHUTTING_DOWN_KEY,
 )
 from jobs_server.manager import (
     JobManager,
@@ -58,6 +60,8 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
+    app[SHUTTING_DOWN_KEY] = asyncio.Event()
+    app.on_shutdown.append(_end_log_streams)
     app.cleanup_ctx.append(_ray_and_manager(manager))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
@@ -83,16 +87,26 @@ def _allow_cors(app: web.Application, origins: list[str]) -> None:
         cors.add(route)
 
 
+async def _end_log_streams(app: web.Application) -> None:
+    """Followers end their streams (a websocket with 1001) within a tick of this; aiohttp then
+    waits for them up to its shutdown timeout, before the cleanup that stops the manager."""
+    app[SHUTTING_DOWN_KEY].set()
+
+
 def _ray_and_manager(
     given_manager: JobManager | None,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def ray_and_manager(app: web.Application) -> AsyncIterator[None]:
         settings = app[SETTINGS_KEY]
         # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
-        # that Ray expects.
+        # that Ray expects. It also replaces the SIGTERM handler with its own (exit 1, with a
+        # stack dump): put back aiohttp's, so SIGTERM shuts down as gracefully as SIGINT.
+        sigterm_handler = signal.getsignal(signal.SIGTERM)
         connection = connect_to_ray(
             settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
         )
+        if sigterm_handler is not None:
+            signal.signal(signal.SIGTERM, sigterm_handler)
         manager = given_manager or JobManager(
             gcs_address=connection.gcs_address,
             namespace=settings.namespace,

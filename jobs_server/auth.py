@@ -58,7 +58,11 @@ def token_from_headers(headers: Mapping[str, str]) -> str | None:
 
 def token_matches(given: str, expected: str) -> bool:
     """Compare in constant time, so the answer's timing reveals nothing of the token."""
-    return hmac.compare_digest(given.encode(), expected.encode())
+    # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back to the
+    # bytes that were sent (they never match) instead of failing on them.
+    return hmac.compare_digest(
+        given.encode("utf-8", "surrogateescape"), expected.encode("utf-8", "surrogateescape")
+    )
 
 
 def is_loopback(host: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import ssl
 import sys
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from jobs_server import __version__
 from jobs_server.app import create_app
 from jobs_server.auth import TokenSourceError, is_loopback, resolve_auth_token
 from jobs_server.request_body import describe_validation_error
-from jobs_server.settings import Settings
+from jobs_server.settings import AUTH_TOKEN_ENV_VAR, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         settings = load_settings(args)
     except ValidationError as error:
         sys.exit(f"jobs-server: {describe_validation_error(error)}")
+    _forget_secrets_in_environment()
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -101,8 +103,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         port=settings.port,
         ssl_context=ssl_context,
         print=None,
+        shutdown_timeout=settings.shutdown_timeout_s,
         access_log_format='%a "%r" %s %b %Tfs',
     )
+
+
+def _forget_secrets_in_environment() -> None:
+    """The token is in Settings now; no child process may inherit it: not an embedded Ray's
+    processes, nor through them the supervisors and every job."""
+    for name in list(os.environ):
+        if name.upper() == AUTH_TOKEN_ENV_VAR:
+            del os.environ[name]
 
 
 def _check_bind(settings: Settings, *, has_token: bool) -> None:

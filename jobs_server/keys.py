@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from jobs_server.auth import AccessPolicy
@@ -17,6 +19,8 @@ CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+# Set when the server begins to shut down: open log streams end.
+SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

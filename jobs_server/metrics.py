@@ -9,6 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from jobs_server.manager import JobRecord, JobStatus
 
+# The status counted for a request cancelled before its handler returned: nginx's "client closed
+# request", as no status of HTTP's own says that.
+CANCELLED_REQUEST_STATUS = 499
+
 
 class ServerMetrics:
     """The server's metrics, in a registry of their own (not the process-wide default)."""
@@ -17,7 +21,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.http_requests = Counter(
             "jobs_server_http_requests",
-            "HTTP requests answered, by route name, method and status.",
+            "HTTP requests answered, by route name, method and status (499: cancelled).",
             ["route", "method", "status"],
             registry=self.registry,
         )

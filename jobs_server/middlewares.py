@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,7 +26,7 @@ from jobs_server.errors import (
     UnsupportedMediaTypeError,
 )
 from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY, METRICS_KEY
-from jobs_server.metrics import route_name
+from jobs_server.metrics import CANCELLED_REQUEST_STATUS, route_name
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,11 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         return response
     except web.HTTPException as error:
         status = error.status
+        raise
+    except asyncio.CancelledError:
+        # The client left (with aiohttp's handler cancellation) or the shutdown timeout ended
+        # the request: not a server error.
+        status = CANCELLED_REQUEST_STATUS
         raise
     finally:
         request.app[METRICS_KEY].observe_request(

@@ -9,6 +9,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_PORT = 8266
 DEFAULT_LOG_DIR = Path.home() / ".local" / "state" / "jobs-server" / "logs"
+# Where the `auth_token` field is read from (pydantic-settings: prefix + name, any case).
+AUTH_TOKEN_ENV_VAR = "JOBS_SERVER_AUTH_TOKEN"
 
 
 class Settings(BaseSettings):
@@ -79,6 +81,15 @@ class Settings(BaseSettings):
     )
     max_package_bytes: int = Field(
         100 * 1024 * 1024, gt=0, description="Largest working_dir package upload, in bytes."
+    )
+    shutdown_timeout_s: float = Field(
+        5.0,
+        ge=0,
+        allow_inf_nan=False,
+        description=(
+            "Seconds that requests in progress get to finish at shutdown (SIGTERM, SIGINT) before"
+            " they are cancelled; log followers are ended at once (websockets with 1001)."
+        ),
     )
     log_level: str = Field("INFO", description="Server log level (DEBUG, INFO, WARNING, ...).")
     auth_token: SecretStr | None = Field(

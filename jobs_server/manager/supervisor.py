@@ -369,7 +369,13 @@ class JobSupervisor:
         return await self._job_store().update(run.job.submission_id, run.job.run_id, **changes)
 
     def _driver_env(self, job: SupervisedJob, job_token: str) -> dict[str, str]:
-        env = dict(os.environ)
+        # The server's settings (its token among them) are not the job's, even on a node that
+        # was started with them in its environment.
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.upper().startswith("JOBS_SERVER_")
+        }
         # A shared supervisor runs jobs with different env_vars: each process gets its own.
         env.update(job.runtime_env.get("env_vars") or {})
         # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's

@@ -6,18 +6,20 @@
 - `GET .../logs/tail`: Ray's websocket tail (`?offset=` too).
 - `GET .../logs/stream`: Server-Sent Events; each event's id is the byte offset after it, so a
   reconnect with `Last-Event-ID` resumes exactly.
+
+Everything that can fail is checked before the headers go out; after them, `open_stream` ends a
+stream cleanly when the client leaves, the job is deleted or the server shuts down.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
 from collections.abc import AsyncGenerator
 from typing import Annotated, Literal, TypeVar
 
-from aiohttp import WSMsgType, web
+from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,6 +28,7 @@ from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
 from jobs_server.request_body import describe_validation_error
+from jobs_server.streams import CLIENT_CHECK_S, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,6 @@ routes = web.RouteTableDef()
 
 # Keeps idle streams alive through proxies and notices clients that went away.
 HEARTBEAT_S = 15.0
-# How often an idle follower checks that its client is still there.
-CLIENT_CHECK_S = 1.0
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 
 
@@ -77,31 +78,36 @@ async def _ray_json_logs(request: web.Request) -> web.StreamResponse:
     """Ray's `{"logs": "..."}`, written piece by piece: constant memory for any log size."""
     chunks = await request.app[JOB_MANAGER_KEY].read_logs(request.match_info["job_id"])
     response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-    await response.prepare(request)
-    await response.write(b'{"logs": "')
-    async for text, _ in _texts(chunks):
-        await response.write(_json_string_body(text))
-    await response.write(b'"}')
-    await response.write_eof()
+    async with open_stream(request, response) as stream:
+        await stream.write(b'{"logs": "')
+        async for text, _ in _texts(stream.chunks(chunks, follows=False)):
+            await stream.write(_json_string_body(text))
+        await stream.write(b'"}')
     return response
 
 
 async def _json_log_range(request: web.Request, query: LogQuery) -> web.StreamResponse:
-    """A byte range as `{"offset", "logs", "next_offset", "size"}`, streamed like the whole log."""
+    """A byte range as `{"offset", "logs", "next_offset", "size"}`, streamed like the whole log.
+
+    The range ends at the size the log had when the read began, so everything the body says is
+    known before its headers go out (and a job deleted meanwhile cannot break it)."""
     manager, job_id = request.app[JOB_MANAGER_KEY], request.match_info["job_id"]
     offset = query.offset or 0
-    chunks = await manager.read_logs(job_id, offset=offset, limit=query.limit)
-    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
-    await response.prepare(request)
-    await response.write(f'{{"offset": {offset}, "logs": "'.encode())
-    next_offset = offset
-    # A character cut by the limit is left for the next read: next_offset points at it.
-    async for text, text_end in _texts(chunks, flush_partial=query.limit is None):
-        await response.write(_json_string_body(text))
-        next_offset = text_end
     size = await manager.log_size(job_id)
-    await response.write(f'", "next_offset": {next_offset}, "size": {size}}}'.encode())
-    await response.write_eof()
+    limit = max(0, size - offset)
+    if query.limit is not None:
+        limit = min(limit, query.limit)
+    chunks = await manager.read_logs(job_id, offset=offset, limit=limit)
+    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    async with open_stream(request, response) as stream:
+        await stream.write(f'{{"offset": {offset}, "logs": "'.encode())
+        next_offset = offset
+        # A character cut by the limit is left for the next read: next_offset points at it.
+        texts = _texts(stream.chunks(chunks, follows=False), flush_partial=query.limit is None)
+        async for text, text_end in texts:
+            await stream.write(_json_string_body(text))
+            next_offset = text_end
+        await stream.write(f'", "next_offset": {next_offset}, "size": {size}}}'.encode())
     return response
 
 
@@ -120,14 +126,9 @@ async def _text_logs(request: web.Request, query: LogQuery) -> web.StreamRespons
         job_id, offset=offset, limit=limit, follow=query.follow, idle_tick_s=CLIENT_CHECK_S
     )
     response = web.StreamResponse(status=status, headers=headers)
-    await response.prepare(request)
-    async with contextlib.aclosing(chunks):
-        async for chunk in chunks:
-            if chunk.data:
-                await response.write(chunk.data)
-            elif _client_left(request):
-                return response
-    await response.write_eof()
+    async with open_stream(request, response) as stream:
+        async for chunk in stream.chunks(chunks, follows=query.follow):
+            await stream.write(chunk.data)
     return response
 
 
@@ -151,38 +152,16 @@ def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
 @routes.get("/api/jobs/{job_id}/logs/tail", name="tail_job_logs")
 async def tail_job_logs(request: web.Request) -> web.StreamResponse:
     """Websocket: text frames of the log; closes with 1000 once the job has ended and every
-    byte was sent."""
+    byte was sent, with 1001 when the server shuts down."""
     query = _parse_query(request, LogStreamQuery)
     chunks = await request.app[JOB_MANAGER_KEY].read_logs(
-        request.match_info["job_id"], offset=query.offset, follow=True
+        request.match_info["job_id"], offset=query.offset, follow=True, idle_tick_s=CLIENT_CHECK_S
     )
     websocket = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
-    await websocket.prepare(request)
-    sender = asyncio.create_task(_send_websocket_log(websocket, chunks))
-    try:
-        # Reading is how a closed connection is noticed; the client sends nothing else.
-        async for message in websocket:
-            if message.type is WSMsgType.ERROR:
-                break
-    finally:
-        if not sender.done():
-            sender.cancel()
-        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
-            await sender
+    async with open_stream(request, websocket) as stream:
+        texts = (text async for text, _ in _texts(stream.chunks(chunks, follows=True)) if text)
+        await stream.serve_websocket(websocket, texts)
     return websocket
-
-
-async def _send_websocket_log(
-    websocket: web.WebSocketResponse, chunks: AsyncGenerator[LogChunk, None]
-) -> None:
-    try:
-        async for text, _ in _texts(chunks):
-            if text:
-                await websocket.send_str(text)
-    except ConnectionError:
-        logger.debug("log tail client went away")
-        return
-    await websocket.close()
 
 
 @routes.get("/api/jobs/{job_id}/logs/stream", name="stream_job_logs")
@@ -197,18 +176,16 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
         offset = _parse_query_value("Last-Event-ID", last_event_id)
     chunks = await manager.read_logs(job_id, offset=offset, follow=True, idle_tick_s=CLIENT_CHECK_S)
     response = EventSourceResponse(ping_interval=HEARTBEAT_S)
-    await response.prepare(request)
-    async with response:
-        async for text, next_offset in _texts(chunks):
+    async with open_stream(request, response) as stream, response:
+        async for text, next_offset in _texts(stream.chunks(chunks, follows=True)):
             if text:
                 await response.send(json.dumps(text), id=str(next_offset))
                 offset = next_offset
-            elif not response.is_connected():
-                return response
-        job = await manager.get_job(job_id)
-        await response.send(
-            json.dumps({"status": job.status, "offset": offset}), event="end", id=str(offset)
-        )
+        if not stream.cut_short:  # the job has ended (or is gone: then no `end`)
+            job = await manager.get_job(job_id)
+            await response.send(
+                json.dumps({"status": job.status, "offset": offset}), event="end", id=str(offset)
+            )
     return response
 
 
@@ -216,14 +193,11 @@ async def _texts(
     chunks: AsyncGenerator[LogChunk, None], *, flush_partial: bool = True
 ) -> AsyncGenerator[tuple[str, int], None]:
     """`(text, offset after it)` of the chunks. A character split across chunks is held back until
-    it is whole; invalid bytes become U+FFFD. Idle ticks come through as `("", offset)`.
+    it is whole; invalid bytes become U+FFFD.
     """
     held, offset = b"", 0
     async with contextlib.aclosing(chunks):
         async for chunk in chunks:
-            if not chunk.data:
-                yield "", chunk.offset - len(held)
-                continue
             data = held + chunk.data
             cut = complete_utf8_length(data)
             held, offset = data[cut:], chunk.end
@@ -240,10 +214,6 @@ def _json_string_body(text: str) -> bytes:
 def _prefers_text(request: web.Request) -> bool:
     accept = request.headers.get("Accept", "")
     return "text/plain" in accept and "application/json" not in accept
-
-
-def _client_left(request: web.Request) -> bool:
-    return request.transport is None or request.transport.is_closing()
 
 
 def _parse_query(request: web.Request, model: type[QueryT]) -> QueryT:
