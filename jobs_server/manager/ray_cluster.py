@@ -156,6 +156,13 @@ class ClusterHealth:
     unavailable_reason: str | None = None
     unavailable_since_s: float | None = field(default=None, repr=False)
     """When the GCS stopped answering (time.monotonic()), None while it answers."""
+    probe_kv: GcsKv = field(init=False, repr=False)
+    """Made once, while the GCS answers: making a GCS client blocks until it can connect."""
+
+    def __post_init__(self) -> None:
+        self.probe_kv = GcsKv(
+            self.gcs_address, _SESSION_KV_NAMESPACE, timeout_s=GCS_PROBE_TIMEOUT_S
+        )
 
     def check(self) -> None:
         """Raise ClusterUnavailableError while the GCS is away."""
@@ -166,9 +173,8 @@ class ClusterHealth:
 async def probe_gcs(health: ClusterHealth) -> bool:
     """Ask the GCS (one KV read, at most GCS_PROBE_TIMEOUT_S) whether it is there and still the
     same cluster; record the answer in `health`; return whether the cluster is lost for good."""
-    kv = GcsKv(health.gcs_address, _SESSION_KV_NAMESPACE, timeout_s=GCS_PROBE_TIMEOUT_S)
     try:
-        session_name = await kv.get(_SESSION_NAME_KEY)
+        session_name = await health.probe_kv.get(_SESSION_NAME_KEY)
     except ClusterUnavailableError:
         reason = f"Ray's GCS at {health.gcs_address} does not answer."
         replaced = False
