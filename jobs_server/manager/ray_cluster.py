@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -123,7 +125,13 @@ def _require_ray_token_auth() -> Path | None:
         return None
     from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
-    token_dir = Path(tempfile.mkdtemp(prefix="jobs-server-ray-"))  # mode 0700
+    # Beside Ray's own temp files (RAY_TMPDIR when set); mode 0700. A file, not RAY_AUTH_TOKEN:
+    # a job inherits the path (so its own `ray.init()` works), but `env` does not print the token.
+    token_dir = Path(
+        tempfile.mkdtemp(prefix="jobs-server-ray-auth-", dir=os.environ.get("RAY_TMPDIR"))
+    )
+    # Also when the server ends without its cleanup (sys.exit, an unhandled error).
+    atexit.register(_remove_token_dir, token_dir)
     token_path = token_dir / "auth_token"
     token_path.touch(mode=0o600)
     token_path.write_text(secrets.token_hex(32))
@@ -139,12 +147,16 @@ def _require_ray_token_auth() -> Path | None:
 
 def disconnect_from_ray(connection: RayConnection) -> None:
     """Leave the cluster (and stop the embedded one) if this process connected to it."""
-    if connection.connected_here:
-        ray.shutdown()
-    if connection.embedded_token_dir is not None:
-        for path in connection.embedded_token_dir.iterdir():
-            path.unlink(missing_ok=True)
-        connection.embedded_token_dir.rmdir()
+    try:
+        if connection.connected_here:
+            ray.shutdown()
+    finally:
+        if connection.embedded_token_dir is not None:
+            _remove_token_dir(connection.embedded_token_dir)
+
+
+def _remove_token_dir(token_dir: Path) -> None:
+    shutil.rmtree(token_dir, ignore_errors=True)
 
 
 @dataclass
