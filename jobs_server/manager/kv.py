@@ -25,6 +25,8 @@ logger = logging.getLogger(__name__)
 # a client (or a load balancer) waits; a GCS that does not answer within this is away, and the
 # request gets a 503 it can retry. Loaded clusters answer KV calls in milliseconds.
 KV_TIMEOUT_S = 5.0
+# A large value (an uploaded package, up to 100 MiB) gets longer, at this slowest expected rate.
+KV_MIN_THROUGHPUT_BYTES_PER_S = 10 * 1024 * 1024
 # A writer that must not lose its write (a supervisor recording how its job ended) retries for
 # this long while the GCS is away: with GCS fault tolerance the GCS comes back within Ray's own
 # reconnect timeout (60 s by default), after which Ray's processes give up anyway.
@@ -63,6 +65,9 @@ class GcsKv:
         self._timeout_s = timeout_s
         self._outage_retry_s = outage_retry_s
 
+    def _put_timeout_s(self, value: bytes) -> float:
+        return self._timeout_s + len(value) / KV_MIN_THROUGHPUT_BYTES_PER_S
+
     async def _call(self, what: str, call: Callable[[], Awaitable[_T]]) -> _T:
         """`call()`, with the GCS's failures mapped to ClusterUnavailableError (and retried
         for `outage_retry_s`)."""
@@ -83,7 +88,7 @@ class GcsKv:
         added = await self._call(
             "create",
             lambda: self._client.async_internal_kv_put(
-                key.encode(), value, False, self._namespace, timeout=self._timeout_s
+                key.encode(), value, False, self._namespace, timeout=self._put_timeout_s(value)
             ),
         )
         return bool(added)
@@ -93,7 +98,7 @@ class GcsKv:
         await self._call(
             "put",
             lambda: self._client.async_internal_kv_put(
-                key.encode(), value, True, self._namespace, timeout=self._timeout_s
+                key.encode(), value, True, self._namespace, timeout=self._put_timeout_s(value)
             ),
         )
 
