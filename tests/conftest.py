@@ -88,6 +88,8 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
+# The GCS addresses of the clusters the suite starts (checked against the address file below).
+SUITE_CLUSTER_ADDRESSES: set[str] = set()
 # Where `ray start` and `ray.init` record the last cluster started on this machine; a later
 # `ray.init("auto")` (or a `jobs-server serve` without an address) follows it.
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
@@ -115,10 +117,13 @@ def ray_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         else:
             os.environ["RAY_TMPDIR"] = previous
     leftovers = _end_processes_mentioning(str(path))
-    stale_address = _restore_address_file(address_before)
+    suite_addresses = SUITE_CLUSTER_ADDRESSES | {
+        (_read_text(path / "ray" / RAY_ADDRESS_FILE.name) or "").strip()
+    }
+    stale_address = _restore_address_file(address_before, suite_addresses - {""})
     assert not leftovers, f"processes of the suite's Ray instances were left: {leftovers}"
     assert stale_address is None, (
-        f"{RAY_ADDRESS_FILE} named {stale_address}, a cluster that is gone (restored)"
+        f"{RAY_ADDRESS_FILE} named {stale_address}, a test cluster that is gone (restored)"
     )
 
 
@@ -142,15 +147,12 @@ def _end_processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def _restore_address_file(before: str | None) -> str | None:
-    """If the address file changed during the session to a cluster that no longer answers, put
-    back what was there (or remove it); return the dead address."""
+def _restore_address_file(before: str | None, suite_addresses: set[str]) -> str | None:
+    """If the address file names one of the suite's clusters (all gone now), put back what was
+    there before (or remove it); return that address. Other programs' entries stay."""
     after = _read_text(RAY_ADDRESS_FILE)
-    if after is None or after == before:
+    if after is None or after.strip() not in suite_addresses:
         return None
-    host, _, port = after.strip().rpartition(":")
-    if host and port.isdigit() and _gcs_is_up(host, int(port)):
-        return None  # a live cluster started meanwhile, not by this suite's fixtures
     if before is None:
         RAY_ADDRESS_FILE.unlink(missing_ok=True)
     else:
@@ -192,6 +194,7 @@ def ray_cluster(
         start_new_session=True,
     )
     address = f"{RAY_NODE_IP}:{port}"
+    SUITE_CLUSTER_ADDRESSES.add(address)
     try:
         wait_until(lambda: _gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
         yield address

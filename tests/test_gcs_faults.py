@@ -29,6 +29,7 @@ import requests
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE, CLUSTER_LOST_EXIT_S
 from tests.conftest import (
     RAY_BIN,
+    SUITE_CLUSTER_ADDRESSES,
     free_port,
     start_jobs_server,
     stop_process_group,
@@ -149,6 +150,7 @@ def head_node(redis_address: str | None) -> Iterator[HeadNode]:
         start_new_session=True,
     )
     node = HeadNode(node_ip, port, temp_dir, {process.pid})
+    SUITE_CLUSTER_ADDRESSES.add(node.address)
     try:
         assert process.wait(180) == 0, "ray start failed"
         wait_until(lambda: _port_open(node_ip, port), 60, "the GCS")
