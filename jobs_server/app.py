@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 from collections.abc import AsyncIterator, Callable
 
@@ -14,6 +16,7 @@ from jobs_server.auth import AccessPolicy, resolve_auth_token
 from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
+    CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
@@ -23,12 +26,15 @@ from jobs_server.keys import (
     SHUTTING_DOWN_KEY,
 )
 from jobs_server.manager import (
+    ClusterHealth,
     JobManager,
     PackageStore,
     connect_to_ray,
     disconnect_from_ray,
     read_cluster_info,
+    watch_cluster,
 )
+from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
     auth_middleware,
@@ -45,10 +51,17 @@ logger = logging.getLogger(__name__)
 _BODY_LIMIT_MARGIN_BYTES = 64 * 1024
 
 
-def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.Application:
+def create_app(
+    settings: Settings,
+    *,
+    manager: JobManager | None = None,
+    on_cluster_lost: Callable[[str], None] | None = None,
+) -> web.Application:
     """Build the app; it joins Ray and starts the manager on startup, and undoes both on cleanup.
 
     Pass `manager` to use one that the caller owns (it is neither started nor closed here).
+    `on_cluster_lost(reason)` is called when the Ray cluster is gone for good; by default the
+    process exits with CLUSTER_LOST_EXIT_CODE.
     """
     app = web.Application(
         middlewares=[metrics_middleware, error_middleware, cross_site_middleware, auth_middleware],
@@ -63,6 +76,7 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
     app.on_shutdown.append(_end_log_streams)
     app.cleanup_ctx.append(_ray_and_manager(manager))
+    app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:
@@ -118,6 +132,9 @@ def _ray_and_manager(
         app[JOB_MANAGER_KEY] = manager
         app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)
         app[CLUSTER_INFO_KEY] = await read_cluster_info(connection.gcs_address)
+        app[CLUSTER_HEALTH_KEY] = ClusterHealth(
+            connection.gcs_address, app[CLUSTER_INFO_KEY].session_name
+        )
         if given_manager is None:
             await manager.start()
         try:
@@ -128,3 +145,39 @@ def _ray_and_manager(
             await asyncio.to_thread(disconnect_from_ray, connection)
 
     return ray_and_manager
+
+
+def _cluster_watch(
+    on_cluster_lost: Callable[[str], None],
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def cluster_watch(app: web.Application) -> AsyncIterator[None]:
+        """Keep the cluster's health current (healthz reads it), and call `on_cluster_lost`
+        when the cluster is gone for good."""
+        health = app.get(CLUSTER_HEALTH_KEY)
+        if health is None:
+            yield  # not connected to Ray: nothing to watch
+            return
+
+        async def watch() -> None:
+            on_cluster_lost(await watch_cluster(health))
+
+        task = asyncio.create_task(watch(), name="cluster-watch")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    return cluster_watch
+
+
+def exit_for_lost_cluster(reason: str) -> None:
+    """Exit at once, non-zero, so that systemd or Kubernetes starts the server again.
+
+    Not a graceful shutdown: it would wait on the GCS that is gone (`ray.shutdown`), and what a
+    graceful shutdown would save (watchers, followers) belongs to the cluster that is lost.
+    """
+    logger.critical("the Ray cluster is lost, exiting: %s", reason)
+    logging.shutdown()
+    os._exit(CLUSTER_LOST_EXIT_CODE)

@@ -86,8 +86,16 @@ class PayloadTooLargeError(JobsServerError):
     code = "payload_too_large"
 
 
+# How long a client is asked to wait before it tries again after a 503: about what a restarting
+# GCS (with fault tolerance) takes to answer again.
+CLUSTER_RETRY_AFTER_S = 5
+
+
 class ClusterUnavailableError(JobsServerError):
+    """Ray (its GCS, or a supervisor) does not answer now; the request may be retried."""
+
     code = "cluster_unavailable"
+    headers: ClassVar[dict[str, str]] = {"Retry-After": str(CLUSTER_RETRY_AFTER_S)}
 
 
 class SupervisorUnreachableError(ClusterUnavailableError):

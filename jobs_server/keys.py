@@ -8,7 +8,7 @@ from aiohttp import web
 
 from jobs_server.auth import AccessPolicy
 from jobs_server.job_details_cache import JobDetailsJsonCache
-from jobs_server.manager import ClusterInfo, JobManager, PackageStore
+from jobs_server.manager import ClusterHealth, ClusterInfo, JobManager, PackageStore
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 
@@ -16,6 +16,7 @@ SETTINGS_KEY = web.AppKey("settings", Settings)
 JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
 PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
+CLUSTER_HEALTH_KEY = web.AppKey("cluster_health", ClusterHealth)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import ray
 import requests
@@ -87,8 +88,82 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
+# The GCS addresses of the clusters the suite starts (checked against the address file below).
+SUITE_CLUSTER_ADDRESSES: set[str] = set()
+# Where `ray start` and `ray.init` record the last cluster started on this machine; a later
+# `ray.init("auto")` (or a `jobs-server serve` without an address) follows it.
+RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Every Ray instance of the suite (its clusters, the servers' embedded ones) keeps its
+    session files and its address file under pytest's temp dir, not in /tmp/ray; at the end no
+    process of them is left, and /tmp/ray/ray_current_cluster does not name a dead test cluster.
+
+    Fails the session (after cleaning up) when a process was left, so a leak is seen.
+    """
+    path = tmp_path_factory.getbasetemp() / "r"
+    path.mkdir()
+    previous = os.environ.get("RAY_TMPDIR")
+    # Ray's temp dir is $RAY_TMPDIR/ray; short enough for its sockets' paths (107 bytes).
+    os.environ["RAY_TMPDIR"] = str(path)
+    address_before = _read_text(RAY_ADDRESS_FILE)
+    try:
+        yield path
+    finally:
+        if previous is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = previous
+    leftovers = _end_processes_mentioning(str(path))
+    suite_addresses = SUITE_CLUSTER_ADDRESSES | {
+        (_read_text(path / "ray" / RAY_ADDRESS_FILE.name) or "").strip()
+    }
+    stale_address = _restore_address_file(address_before, suite_addresses - {""})
+    assert not leftovers, f"processes of the suite's Ray instances were left: {leftovers}"
+    assert stale_address is None, (
+        f"{RAY_ADDRESS_FILE} named {stale_address}, a test cluster that is gone (restored)"
+    )
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _end_processes_mentioning(text: str) -> list[str]:
+    """Kill every process whose command line mentions `text`; describe those there were."""
+    found = []
+    for process in psutil.process_iter(["pid", "name", "cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            if process.pid != os.getpid() and any(
+                text in part for part in process.info["cmdline"] or []
+            ):
+                found.append(f"{process.pid} {process.info['name']}")
+                process.kill()
+    return found
+
+
+def _restore_address_file(before: str | None, suite_addresses: set[str]) -> str | None:
+    """If the address file names one of the suite's clusters (all gone now), put back what was
+    there before (or remove it); return that address. Other programs' entries stay."""
+    after = _read_text(RAY_ADDRESS_FILE)
+    if after is None or after.strip() not in suite_addresses:
+        return None
+    if before is None:
+        RAY_ADDRESS_FILE.unlink(missing_ok=True)
+    else:
+        RAY_ADDRESS_FILE.write_text(before)
+    return after.strip()
+
+
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterator[str]:
+def ray_cluster(
+    tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str, ray_temp_dir: Path
+) -> Iterator[str]:
     """A Ray head node of its own, in its own process group; yields its GCS address.
 
     Ray's runtime-env agent downloads `s3://` packages with the AWS variables of the node's
@@ -119,6 +194,7 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> I
         start_new_session=True,
     )
     address = f"{RAY_NODE_IP}:{port}"
+    SUITE_CLUSTER_ADDRESSES.add(address)
     try:
         wait_until(lambda: _gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
         yield address

@@ -40,7 +40,8 @@ SHARED_SCHEMAS = {"SubmissionId", "JobStatus"}
 # Documented answers the exchange cannot provoke cheaply, with why.
 NOT_PROVOKED = {
     "500": "needs a broken cluster or a bug",
-    "503": "needs a supervisor that does not answer: test_stopping_a_job_whose_node_does_not...",
+    "503": "needs a supervisor or a GCS that does not answer: test_stopping_a_job_whose_node"
+    "_does_not... and tests/test_gcs_faults.py",
     "401": "needs a server with a token: test_token_answers_match_the_document",
     "403": "needs a server with a token: test_token_answers_match_the_document",
 }

@@ -4,15 +4,18 @@ from jobs_server.manager.job_manager import JobManager, JobPage, new_submission_
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
 from jobs_server.manager.ray_cluster import (
+    ClusterHealth,
     ClusterInfo,
     RayConnection,
     connect_to_ray,
     disconnect_from_ray,
     read_cluster_info,
+    watch_cluster,
 )
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 
 __all__ = [
+    "ClusterHealth",
     "ClusterInfo",
     "JobErrorType",
     "JobManager",
@@ -28,4 +31,5 @@ __all__ = [
     "new_submission_id",
     "package_uri",
     "read_cluster_info",
+    "watch_cluster",
 ]

@@ -250,7 +250,7 @@ class JobManager:
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
         before any chunk is read."""
-        await self._store.get(submission_id)
+        await self._ensure_exists(submission_id)
         return read_log_chunks(
             job_log_path(self._log_dir, submission_id),
             offset=offset,
@@ -262,8 +262,14 @@ class JobManager:
 
     async def log_size(self, submission_id: str) -> int:
         """The job's log size in bytes now."""
-        await self._store.get(submission_id)
+        await self._ensure_exists(submission_id)
         return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
+
+    async def _ensure_exists(self, submission_id: str) -> None:
+        """Raise JobNotFoundError for an unknown job. A job this server watches exists without
+        asking the GCS, so its log is served while the GCS is away."""
+        if submission_id not in self._watchers:
+            await self._store.get(submission_id)
 
     async def _job_has_ended(self, submission_id: str) -> bool:
         # A watched job has ended when its watcher has: in memory, so a hundred followers cost

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
-from dataclasses import dataclass
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
 import ray
 
+from jobs_server.errors import ClusterUnavailableError
 from jobs_server.manager.kv import GcsKv
 
 logger = logging.getLogger(__name__)
@@ -20,11 +29,29 @@ EMBEDDED_RAY_ADDRESS = "local"
 _SESSION_NAME_KEY = "session_name"
 
 
+# How often the server asks the GCS whether it is there, and how long it waits for the answer.
+GCS_PROBE_INTERVAL_S = 1.0
+GCS_PROBE_TIMEOUT_S = 2.0
+# A GCS away this long is a lost cluster: without GCS fault tolerance nothing brings it back, and
+# with it Ray's own processes give up after 60 s (`gcs_rpc_server_reconnect_timeout_s`). The
+# server then exits non-zero, so systemd or Kubernetes starts it again on a working cluster.
+CLUSTER_LOST_EXIT_S = 30.0
+# The exit status of a server whose cluster is lost (EX_UNAVAILABLE).
+CLUSTER_LOST_EXIT_CODE = 69
+
+# Ray's token authentication: the mode, and the file its processes read the token from.
+_RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
+_RAY_AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+_RAY_AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+
+
 @dataclass(frozen=True)
 class RayConnection:
     gcs_address: str
     connected_here: bool
     """False if the process was already connected (tests, an embedding program): not ours to end."""
+    embedded_token_dir: Path | None = None
+    """The private directory of the embedded instance's generated token, removed at the end."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +68,9 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
     if ray.is_initialized():
         return RayConnection(ray.get_runtime_context().gcs_address, connected_here=False)
     init_options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
+    token_dir = None
     if address == EMBEDDED_RAY_ADDRESS:
-        _start_embedded_ray(embedded_node_ip, init_options)
+        token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     elif address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, **init_options)
@@ -51,10 +79,12 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
             ray.init(address="auto", **init_options)
             logger.info("joined the Ray cluster running on this machine")
         except ConnectionError:
-            _start_embedded_ray(embedded_node_ip, init_options)
+            token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     else:
-        _start_embedded_ray(embedded_node_ip, init_options)
-    return RayConnection(ray.get_runtime_context().gcs_address, connected_here=True)
+        token_dir = _start_embedded_ray(embedded_node_ip, init_options)
+    return RayConnection(
+        ray.get_runtime_context().gcs_address, connected_here=True, embedded_token_dir=token_dir
+    )
 
 
 def _gcs_server_runs_here() -> bool:
@@ -66,21 +96,129 @@ def _gcs_server_runs_here() -> bool:
     return any(process.info["name"] == "gcs_server" for process in psutil.process_iter(["name"]))
 
 
-def _start_embedded_ray(node_ip: str, init_options: dict[str, Any]) -> None:
+def _start_embedded_ray(node_ip: str, init_options: dict[str, Any]) -> Path | None:
+    """Start the local instance; return the directory of the token it was given, if any."""
     logger.info("starting a local Ray instance on %s", node_ip)
-    # No dashboard: it would serve a second, unauthenticated jobs API beside ours.
+    token_dir = _require_ray_token_auth()
+    # No dashboard: it would serve a second jobs API beside ours.
     ray.init(
         address=EMBEDDED_RAY_ADDRESS,
         include_dashboard=False,
         _node_ip_address=node_ip,
         **init_options,
     )
+    return token_dir
+
+
+def _require_ray_token_auth() -> Path | None:
+    """Turn Ray's token authentication on for the instance this process starts.
+
+    Ray's GCS, raylet and workers listen on every interface, and each node's dashboard agent
+    serves Ray's own job API (on 52365): without authentication, anyone who reaches one of them
+    can run a job past this server. With RAY_AUTH_MODE=token every one of them refuses a caller
+    without the token. A cluster that already uses Ray's token keeps it (the server shares it,
+    see `ray_auth_token`); otherwise the instance gets a random token that only this process and
+    Ray's processes (started by it, inheriting the path of a file only this user can read) know.
+    Return that file's directory.
+    """
+    if os.environ.get(_RAY_AUTH_MODE_ENV, "").lower() == "token":
+        return None
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
+
+    # Beside Ray's own temp files (RAY_TMPDIR when set); mode 0700. A file, not RAY_AUTH_TOKEN:
+    # a job inherits the path (so its own `ray.init()` works), but `env` does not print the token.
+    token_dir = Path(
+        tempfile.mkdtemp(prefix="jobs-server-ray-auth-", dir=os.environ.get("RAY_TMPDIR"))
+    )
+    # Also when the server ends without its cleanup (sys.exit, an unhandled error).
+    atexit.register(_remove_token_dir, token_dir)
+    token_path = token_dir / "auth_token"
+    token_path.touch(mode=0o600)
+    token_path.write_text(secrets.token_hex(32))
+    os.environ[_RAY_AUTH_MODE_ENV] = "token"
+    os.environ[_RAY_AUTH_TOKEN_PATH_ENV] = str(token_path)
+    # The token named by the variable would win over the file.
+    os.environ.pop(_RAY_AUTH_TOKEN_ENV, None)
+    # Ray reads both once per process; make it read them again.
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+    return token_dir
 
 
 def disconnect_from_ray(connection: RayConnection) -> None:
     """Leave the cluster (and stop the embedded one) if this process connected to it."""
-    if connection.connected_here:
-        ray.shutdown()
+    try:
+        if connection.connected_here:
+            ray.shutdown()
+    finally:
+        if connection.embedded_token_dir is not None:
+            _remove_token_dir(connection.embedded_token_dir)
+
+
+def _remove_token_dir(token_dir: Path) -> None:
+    shutil.rmtree(token_dir, ignore_errors=True)
+
+
+@dataclass
+class ClusterHealth:
+    """Whether the cluster's GCS answers, as the cluster watch last saw it."""
+
+    gcs_address: str
+    session_name: str | None
+    unavailable_reason: str | None = None
+    unavailable_since_s: float | None = field(default=None, repr=False)
+    """When the GCS stopped answering (time.monotonic()), None while it answers."""
+    probe_kv: GcsKv = field(init=False, repr=False)
+    """Made once, while the GCS answers: making a GCS client blocks until it can connect."""
+
+    def __post_init__(self) -> None:
+        self.probe_kv = GcsKv(
+            self.gcs_address, _SESSION_KV_NAMESPACE, timeout_s=GCS_PROBE_TIMEOUT_S
+        )
+
+    def check(self) -> None:
+        """Raise ClusterUnavailableError while the GCS is away."""
+        if self.unavailable_reason is not None:
+            raise ClusterUnavailableError(self.unavailable_reason)
+
+
+async def probe_gcs(health: ClusterHealth) -> bool:
+    """Ask the GCS (one KV read, at most GCS_PROBE_TIMEOUT_S) whether it is there and still the
+    same cluster; record the answer in `health`; return whether the cluster is lost for good."""
+    try:
+        session_name = await health.probe_kv.get(_SESSION_NAME_KEY)
+    except ClusterUnavailableError:
+        reason = f"Ray's GCS at {health.gcs_address} does not answer."
+        replaced = False
+    else:
+        current = session_name.decode() if session_name is not None else None
+        if current == health.session_name:
+            if health.unavailable_reason is not None:
+                logger.warning("Ray's GCS at %s answers again", health.gcs_address)
+            health.unavailable_reason = health.unavailable_since_s = None
+            return False
+        # A GCS without fault tolerance that came back is a new, empty cluster.
+        reason = (
+            f"The Ray cluster at {health.gcs_address} is a new one (session {current}, not "
+            f"{health.session_name}): the jobs and supervisors of this server are gone."
+        )
+        replaced = True
+    if health.unavailable_since_s is None:
+        logger.warning("%s Requests that need it answer 503 until it returns.", reason)
+        health.unavailable_since_s = time.monotonic()
+    away_s = time.monotonic() - health.unavailable_since_s
+    health.unavailable_reason = f"{reason} Away for {away_s:.0f} s."
+    return replaced or away_s >= CLUSTER_LOST_EXIT_S
+
+
+async def watch_cluster(health: ClusterHealth) -> str:
+    """Probe the GCS every GCS_PROBE_INTERVAL_S, keeping `health` current; return why once the
+    cluster is lost (its GCS away CLUSTER_LOST_EXIT_S, or replaced by a new one)."""
+    # Polling: Ray sends no event when its GCS goes away or comes back.
+    while True:
+        if await probe_gcs(health):
+            return health.unavailable_reason or "The Ray cluster is lost."
+        await asyncio.sleep(GCS_PROBE_INTERVAL_S)
 
 
 async def read_cluster_info(gcs_address: str) -> ClusterInfo:

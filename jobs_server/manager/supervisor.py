@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.containment import Containment, detect_containment
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
@@ -205,7 +205,10 @@ class JobSupervisor:
     def _job_store(self) -> JobStore:
         if self._store is None:
             gcs_address = ray.get_runtime_context().gcs_address
-            self._store = JobStore(GcsKv(gcs_address, self._kv_namespace))
+            # A status must reach the store even across a GCS restart (fault tolerance).
+            self._store = JobStore(
+                GcsKv(gcs_address, self._kv_namespace, outage_retry_s=GCS_OUTAGE_RETRY_S)
+            )
         return self._store
 
     async def _run(self, run: _JobRun) -> JobStatus:

@@ -2,10 +2,10 @@
 
 from aiohttp import web
 
-from jobs_server.routes import health, jobs, logs, packages
+from jobs_server.routes import jobs, logs, packages, service
 
 ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
-    health.routes,
+    service.routes,
     jobs.routes,
     logs.routes,
     packages.routes,

@@ -1,4 +1,5 @@
-"""Probes, version and metrics: `/api/healthz`, Ray's `/api/version`, Prometheus `/metrics`."""
+"""What the service says about itself: its probe `/api/healthz`, Ray's `/api/version`,
+Prometheus `/metrics` and its contract `/api/openapi.yaml`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jobs_server.api_models import HealthResponse, VersionResponse
-from jobs_server.keys import CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
+from jobs_server.keys import CLUSTER_HEALTH_KEY, CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
 from jobs_server.manager.containment import detect_containment
 from jobs_server.request_body import json_response
 
@@ -24,7 +25,11 @@ routes = web.RouteTableDef()
 
 @routes.get("/api/healthz", name="healthz")
 async def healthz(request: web.Request) -> web.Response:
-    """200 once the server is connected to Ray and serving."""
+    """200 once the server is connected to Ray and serving; 503 (saying why) while Ray's GCS
+    is away. It reads what the cluster watch last saw, so a probe costs no call to Ray."""
+    health = request.app.get(CLUSTER_HEALTH_KEY)
+    if health is not None:
+        health.check()
     return json_response(HealthResponse())
 
 
