@@ -18,14 +18,18 @@ from jobs_server.keys import (
     JOB_MANAGER_KEY,
     METRICS_KEY,
     PACKAGE_STORE_KEY,
+    RAY_DRIVERS_KEY,
     SETTINGS_KEY,
 )
 from jobs_server.manager import (
+    DashboardRegistration,
     JobManager,
     PackageStore,
+    RayDrivers,
     connect_to_ray,
     disconnect_from_ray,
     read_cluster_info,
+    registration_address,
 )
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
@@ -59,6 +63,7 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
     app.cleanup_ctx.append(_ray_and_manager(manager))
+    app.cleanup_ctx.append(_dashboard_registration)
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:
@@ -83,6 +88,25 @@ def _allow_cors(app: web.Application, origins: list[str]) -> None:
         cors.add(route)
 
 
+async def _dashboard_registration(app: web.Application) -> AsyncIterator[None]:
+    """Our address where Ray's clients look for the cluster's job server, while we serve."""
+    settings = app[SETTINGS_KEY]
+    registration = None
+    if settings.port == 0:
+        logger.info("not registering with Ray: the port is chosen when listening (port 0)")
+    elif settings.tls_cert is not None:
+        # Ray's clients read the address as plain HTTP.
+        logger.info("not registering with Ray: its clients would not use HTTPS")
+    else:
+        registration = DashboardRegistration(registration_address(settings.host, settings.port))
+        await registration.register()
+    try:
+        yield
+    finally:
+        if registration is not None:
+            await registration.unregister()
+
+
 def _ray_and_manager(
     given_manager: JobManager | None,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -104,6 +128,7 @@ def _ray_and_manager(
         app[JOB_MANAGER_KEY] = manager
         app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)
         app[CLUSTER_INFO_KEY] = await read_cluster_info(connection.gcs_address)
+        app[RAY_DRIVERS_KEY] = RayDrivers(connection.gcs_address)
         if given_manager is None:
             await manager.start()
         try:

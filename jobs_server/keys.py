@@ -6,7 +6,7 @@ from aiohttp import web
 
 from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.auth import AccessPolicy
-from jobs_server.manager import ClusterInfo, JobManager, PackageStore
+from jobs_server.manager import ClusterInfo, JobManager, PackageStore, RayDrivers
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 
@@ -17,6 +17,7 @@ CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
+RAY_DRIVERS_KEY = web.AppKey("ray_drivers", RayDrivers)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

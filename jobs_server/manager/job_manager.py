@@ -262,10 +262,7 @@ class JobManager:
         """Forget a job that has ended: its record and its log file."""
         record = await self._store.get(submission_id)
         if not record.status.is_terminal():
-            raise JobNotTerminalError(
-                f"Job {submission_id!r} is {record.status}; only a job that has ended can be "
-                "deleted. Stop it first."
-            )
+            raise JobNotTerminalError(submission_id, record.status)
         await self._store.delete(submission_id)
         job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
 
