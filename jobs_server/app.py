@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp_cors
@@ -114,9 +115,13 @@ def _ray_and_manager(
         settings = app[SETTINGS_KEY]
         # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
         # that Ray expects.
+        sigterm_handler = signal.getsignal(signal.SIGTERM)
         connection = connect_to_ray(
             settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
         )
+        # Ray's driver installs its own SIGTERM handler, which ends the process at once; put
+        # back the one Python had (aiohttp's graceful exit), so a stop runs every cleanup.
+        signal.signal(signal.SIGTERM, sigterm_handler)
         manager = given_manager or JobManager(
             gcs_address=connection.gcs_address,
             namespace=settings.namespace,

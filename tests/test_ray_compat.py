@@ -343,9 +343,11 @@ def test_empty_wheel_is_accepted_as_rays_server_accepts_it(
     wait_for_client_status(ray_client, job_id, TERMINAL, timeout_s=300)
     info = ray_client.get_job_info(job_id)
     assert info.runtime_env["py_modules"] == [f"gcs://{wheel.name}"]
-    if info.status == JobStatus.FAILED:
-        assert info.error_type == "RUNTIME_ENV_SETUP_FAILURE", info
-        assert (info.message or "").startswith(SETUP_FAILED)
+    assert info.status == JobStatus.FAILED, info
+    assert info.error_type == "RUNTIME_ENV_SETUP_FAILURE", info
+    assert (info.message or "").startswith(
+        f"{SETUP_FAILED}. py_modules[0] 'gcs://{wheel.name}': "
+    ), info.message
 
 
 @pytest.mark.parametrize(
