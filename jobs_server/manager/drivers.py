@@ -57,6 +57,8 @@ class RayDriver:
 
 @dataclass(frozen=True)
 class _Lookup:
+    start_time: int | None
+    """Of the job looked for: a deleted and resubmitted id is another job."""
     driver: RayDriver | None
     looked_at_s: float
     """time.monotonic() of the last look."""
@@ -69,40 +71,52 @@ class RayDrivers:
 
     def __init__(self, gcs_address: str) -> None:
         self._client = GcsClient(address=gcs_address)
-        # By (submission id, start time): a deleted and resubmitted id is another job.
-        self._lookups: dict[tuple[str, int | None], _Lookup] = {}
+        self._lookups: dict[str, _Lookup] = {}
 
     async def find(self, records: Sequence[JobRecord]) -> dict[str, RayDriver]:
         """The Ray driver of each of `records` that has one, by submission id."""
         now_s = time.monotonic()
+        ended_long_ago_ms = now_ms() - int(RECENTLY_ENDED_S * 1000)
+        lookups = self._lookups
         found: dict[str, RayDriver] = {}
         to_look: list[JobRecord] = []
+        # A list of 10,000 jobs passes here on every GET: the common cases cost a dict lookup.
         for record in records:
-            lookup = self._lookups.get(_key(record))
-            if lookup is not None and lookup.driver is not None:
-                found[record.submission_id] = lookup.driver
-            if _needs_look(record, lookup, now_s):
-                to_look.append(record)
-                # Concurrent requests for the same job wait for this look, not start their own.
-                self._remember(
-                    record, _Lookup(lookup.driver if lookup else None, now_s, final=False)
-                )
+            submission_id = record.spec.submission_id
+            lookup = lookups.get(submission_id)
+            if lookup is not None and lookup.start_time != record.start_time:
+                lookup = None
+            if lookup is None:
+                if record.status is JobStatus.PENDING:
+                    continue  # no command yet, so no driver
+                if record.end_time is not None and record.end_time < ended_long_ago_ms:
+                    continue  # ended before anyone looked (before this server started, say)
+            else:
+                if lookup.driver is not None:
+                    found[submission_id] = lookup.driver
+                if lookup.final or now_s - lookup.looked_at_s < DRIVER_LOOKUP_INTERVAL_S:
+                    continue
+            to_look.append(record)
+            # Concurrent requests for the same job wait for this look, not start their own.
+            self._remember(record, lookup.driver if lookup else None, now_s, final=False)
         if not to_look:
             return found
         drivers = await self._drivers_of({record.submission_id for record in to_look})
         for record in to_look:
-            previous = self._lookups.get(_key(record))
+            previous = lookups.get(record.submission_id)
             driver = drivers.get(record.submission_id) or (previous.driver if previous else None)
-            self._remember(record, _Lookup(driver, now_s, final=record.status.is_terminal()))
+            self._remember(record, driver, now_s, final=record.status.is_terminal())
             if driver is not None:
                 found[record.submission_id] = driver
         return found
 
-    def _remember(self, record: JobRecord, lookup: _Lookup) -> None:
-        key = _key(record)
+    def _remember(
+        self, record: JobRecord, driver: RayDriver | None, looked_at_s: float, *, final: bool
+    ) -> None:
+        key = record.submission_id
         if key not in self._lookups and len(self._lookups) >= MAX_REMEMBERED_JOBS:
             del self._lookups[next(iter(self._lookups))]  # the oldest
-        self._lookups[key] = lookup
+        self._lookups[key] = _Lookup(record.start_time, driver, looked_at_s, final)
 
     async def _drivers_of(self, submission_ids: set[str]) -> dict[str, RayDriver]:
         """The last driver (by job id, as Ray's server has it) of each of `submission_ids`."""
@@ -119,23 +133,6 @@ class RayDrivers:
             logger.warning("could not read Ray's job table: %s", error)
             return {}
         return _last_drivers(entries.values(), submission_ids)
-
-
-def _key(record: JobRecord) -> tuple[str, int | None]:
-    return (record.submission_id, record.start_time)
-
-
-def _needs_look(record: JobRecord, lookup: _Lookup | None, now_s: float) -> bool:
-    if lookup is not None and (
-        lookup.final or now_s - lookup.looked_at_s < DRIVER_LOOKUP_INTERVAL_S
-    ):
-        return False
-    if record.status is JobStatus.PENDING:
-        return False  # no command yet, so no driver
-    if record.status.is_terminal():
-        ended_ms = record.end_time or 0
-        return lookup is not None or now_ms() - ended_ms < RECENTLY_ENDED_S * 1000
-    return True
 
 
 def _last_drivers(entries: Iterable[Any], submission_ids: set[str]) -> dict[str, RayDriver]:
