@@ -4,6 +4,7 @@ packages, and the server found through the GCS without `--address`."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -16,6 +17,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -24,6 +26,8 @@ from ray._private.runtime_env.utils import SubprocessCalledProcessError
 from ray._raylet import GcsClient  # type: ignore[attr-defined]
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from jobs_server.manager.drivers import RayDrivers
+from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from tests.conftest import (
     RAY_BIN,
@@ -157,7 +161,9 @@ def test_deleting_a_job_that_has_not_ended_says_what_ray_says(
         ray_client.stop_job(pending)
 
 
-def test_runtime_env_failure_starts_with_rays_words(ray_client: JobSubmissionClient) -> None:
+def test_runtime_env_failure_starts_with_rays_words(
+    ray_client: JobSubmissionClient, server_url: str
+) -> None:
     url = f"http://127.0.0.1:{free_port()}/project.zip"  # nothing listens there
     job_id = ray_client.submit_job(entrypoint="true", runtime_env={"working_dir": url})
     assert wait_for_client_status(ray_client, job_id, TERMINAL) == JobStatus.FAILED
@@ -166,6 +172,8 @@ def test_runtime_env_failure_starts_with_rays_words(ray_client: JobSubmissionCli
     assert url in message
     assert "Connection refused" in message
     assert "\n" not in message
+    cli = ray_job_cli("status", job_id, env=cli_env(server_url))
+    assert f"Status message: {message}" in cli.stdout + cli.stderr
 
 
 def test_pip_failure_keeps_pips_own_line(ray_client: JobSubmissionClient) -> None:
@@ -303,6 +311,44 @@ def test_ray_driver_sees_its_submission_and_details_show_the_driver(
     assert listed[job_id].job_id == ray_job_id
     assert listed[job_id].driver_info is not None
     assert listed[job_id].driver_info.id == ray_job_id
+
+
+def test_drivers_of_several_jobs_are_found_in_one_read_of_the_job_table(
+    ray_client: JobSubmissionClient, ray_connection: str, tmp_path: Path
+) -> None:
+    """What a list does for jobs not looked at yet: one read of Ray's whole job table."""
+    (tmp_path / "driver.py").write_text(DRIVER_SCRIPT)
+    printed: dict[str, str] = {}
+    for _ in range(2):
+        job_id = ray_client.submit_job(entrypoint=f"python {tmp_path / 'driver.py'}")
+        status = wait_for_client_status(ray_client, job_id, TERMINAL)
+        assert status == JobStatus.SUCCEEDED, ray_client.get_job_logs(job_id)
+        printed[job_id] = _printed(ray_client.get_job_logs(job_id), "JOB_ID")
+    shell_id = ray_client.submit_job(entrypoint="true")
+    assert wait_for_client_status(ray_client, shell_id, TERMINAL) == JobStatus.SUCCEEDED
+
+    def ended(submission_id: str) -> JobRecord:
+        spec = JobSpec(entrypoint="x", submission_id=submission_id)
+        return JobRecord(spec=spec, status="SUCCEEDED", start_time=1, end_time=now_ms())
+
+    drivers = RayDrivers(ray_connection)
+    reads = 0
+    read_job_table = drivers._client.async_get_all_job_info
+
+    def counted(**options: Any) -> Any:
+        nonlocal reads
+        reads += 1
+        assert options["job_or_submission_id"] is None  # the whole table
+        return read_job_table(**options)
+
+    drivers._client = SimpleNamespace(async_get_all_job_info=counted)
+    records = [ended(job_id) for job_id in [*printed, shell_id]]
+    found = asyncio.run(drivers.find(records))
+    assert {job_id: driver.job_id for job_id, driver in found.items()} == printed
+    assert reads == 1
+    # Found once, after the jobs ended: never looked for again.
+    assert asyncio.run(drivers.find(records)).keys() == printed.keys()
+    assert reads == 1
 
 
 def test_shell_job_has_no_ray_job_id(ray_client: JobSubmissionClient) -> None:
