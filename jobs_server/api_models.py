@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
-from jobs_server.manager import JobRecord, JobSpec, JobStatus
+from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -180,10 +180,18 @@ class JobDetails(BaseModel):
     timeout_s: float | None
 
     @classmethod
-    def from_record(cls, record: JobRecord) -> JobDetails:
+    def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
+        """The job's details; `driver` is the Ray driver its command started, if it did."""
         spec = record.spec
         driver_info = None
-        if record.driver_pid is not None:
+        if driver is not None:
+            # As Ray's server: the driver's job id, and where the driver runs.
+            driver_info = {
+                "id": driver.job_id,
+                "node_ip_address": driver.node_ip_address,
+                "pid": str(driver.pid),
+            }
+        elif record.driver_pid is not None:
             driver_info = {
                 "id": spec.submission_id,
                 "node_ip_address": record.driver_node_ip or "",
@@ -191,7 +199,7 @@ class JobDetails(BaseModel):
             }
         return cls(
             # Ray's job_id names a Ray driver; a shell command may never start one.
-            job_id=None,
+            job_id=driver.job_id if driver is not None else None,
             submission_id=spec.submission_id,
             driver_info=driver_info,
             status=record.status,

@@ -22,16 +22,20 @@ from jobs_server.keys import (
     JOB_MANAGER_KEY,
     METRICS_KEY,
     PACKAGE_STORE_KEY,
+    RAY_DRIVERS_KEY,
     SETTINGS_KEY,
     SHUTTING_DOWN_KEY,
 )
 from jobs_server.manager import (
     ClusterHealth,
+    DashboardRegistration,
     JobManager,
     PackageStore,
+    RayDrivers,
     connect_to_ray,
     disconnect_from_ray,
     read_cluster_info,
+    registration_address,
     watch_cluster,
 )
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
@@ -77,6 +81,7 @@ def create_app(
     app.on_shutdown.append(_end_log_streams)
     app.cleanup_ctx.append(_ray_and_manager(manager))
     app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
+    app.cleanup_ctx.append(_dashboard_registration)
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:
@@ -107,6 +112,25 @@ async def _end_log_streams(app: web.Application) -> None:
     app[SHUTTING_DOWN_KEY].set()
 
 
+async def _dashboard_registration(app: web.Application) -> AsyncIterator[None]:
+    """Our address where Ray's clients look for the cluster's job server, while we serve."""
+    settings = app[SETTINGS_KEY]
+    registration = None
+    if settings.port == 0:
+        logger.info("not registering with Ray: the port is chosen when listening (port 0)")
+    elif settings.tls_cert is not None:
+        # Ray's clients read the address as plain HTTP.
+        logger.info("not registering with Ray: its clients would not use HTTPS")
+    else:
+        registration = DashboardRegistration(registration_address(settings.host, settings.port))
+        await registration.register()
+    try:
+        yield
+    finally:
+        if registration is not None:
+            await registration.unregister()
+
+
 def _ray_and_manager(
     given_manager: JobManager | None,
 ) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -135,6 +159,7 @@ def _ray_and_manager(
         app[CLUSTER_HEALTH_KEY] = ClusterHealth(
             connection.gcs_address, app[CLUSTER_INFO_KEY].session_name
         )
+        app[RAY_DRIVERS_KEY] = RayDrivers(connection.gcs_address)
         if given_manager is None:
             await manager.start()
         try:

@@ -56,7 +56,8 @@ class JobNotFoundError(JobsServerError):
     code = "job_not_found"
 
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"Job {job_id!r} does not exist.")
+        # Ray's words, unquoted: scripts match "<id> does not exist".
+        super().__init__(f"Job {job_id} does not exist")
         self.job_id = job_id
 
 
@@ -75,11 +76,22 @@ class DuplicateJobError(ConflictError):
     code = "duplicate_submission_id"
 
     def __init__(self, submission_id: str) -> None:
-        super().__init__(f"A job with submission_id {submission_id!r} already exists.")
+        # Ray's words: KubeRay, for one, takes "already exists" for "already submitted".
+        super().__init__(
+            f"Job with submission_id {submission_id} already exists. "
+            "Please use a different submission_id."
+        )
 
 
 class JobNotTerminalError(ConflictError):
     code = "job_not_terminal"
+
+    def __init__(self, submission_id: str, status: str) -> None:
+        # Ray's words, with the status the job is in.
+        super().__init__(
+            f"Attempted to delete job '{submission_id}', but it is in a non-terminal state "
+            f"{status}."
+        )
 
 
 class PayloadTooLargeError(JobsServerError):

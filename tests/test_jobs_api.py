@@ -275,7 +275,7 @@ async def test_unknown_job_is_404_json(client: Client, method: str, path: str) -
     assert response.status == 404
     assert response.content_type == "application/json"
     assert await response.json() == {
-        "error": {"code": "job_not_found", "message": "Job 'no-such-job' does not exist."}
+        "error": {"code": "job_not_found", "message": "Job no-such-job does not exist"}
     }
 
 

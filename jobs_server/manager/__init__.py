@@ -1,5 +1,10 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
+from jobs_server.manager.dashboard_registration import (
+    DashboardRegistration,
+    registration_address,
+)
+from jobs_server.manager.drivers import RayDriver, RayDrivers
 from jobs_server.manager.job_manager import JobManager, JobPage, new_submission_id
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
@@ -17,6 +22,7 @@ from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobSta
 __all__ = [
     "ClusterHealth",
     "ClusterInfo",
+    "DashboardRegistration",
     "JobErrorType",
     "JobManager",
     "JobPage",
@@ -26,10 +32,13 @@ __all__ = [
     "LogChunk",
     "PackageStore",
     "RayConnection",
+    "RayDriver",
+    "RayDrivers",
     "connect_to_ray",
     "disconnect_from_ray",
     "new_submission_id",
     "package_uri",
     "read_cluster_info",
+    "registration_address",
     "watch_cluster",
 ]

@@ -232,10 +232,7 @@ class JobManager:
         """Forget a job that has ended: its record and its log file."""
         record = await self._store.get(submission_id)
         if not record.status.is_terminal():
-            raise JobNotTerminalError(
-                f"Job {submission_id!r} is {record.status}; only a job that has ended can be "
-                "deleted. Stop it first."
-            )
+            raise JobNotTerminalError(submission_id, record.status)
         await self._store.delete(record)
         job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
 
@@ -268,7 +265,7 @@ class JobManager:
     async def _ensure_exists(self, submission_id: str) -> None:
         """Raise JobNotFoundError for an unknown job. A job this server watches exists without
         asking the GCS, so its log is served while the GCS is away."""
-        if submission_id not in self._watchers:
+        if self._watchers.has_ended(submission_id) is None:
             await self._store.get(submission_id)
 
     async def _job_has_ended(self, submission_id: str) -> bool:

@@ -67,15 +67,16 @@ class PackageStore(PackageLookup):
             raise PayloadTooLargeError(
                 f"Package is {len(data)} bytes; the limit is {self._max_package_bytes}."
             )
-        if not data:
-            raise InvalidRequestError("Package upload is empty.")
-        await asyncio.to_thread(_check_is_zip, uri, data)
+        if data:
+            # Ray's client uploads a 0-byte file (a wheel, a zip) as it is, and Ray's server
+            # stores it: so do we; Ray's agent reports what it cannot install, as under Ray.
+            await asyncio.to_thread(_check_is_zip, uri, data)
         await self._kv.put(uri, data)
         await asyncio.to_thread(self._kv.pin_uri, uri, PACKAGE_PIN_S)
 
 
 def _check_is_zip(uri: str, data: bytes) -> None:
-    """Raise InvalidPackageError unless `data` is a zip archive (a wheel is one too).
+    """Raise InvalidPackageError unless `data` (not empty) is a zip archive (a wheel is one too).
 
     Reading the central directory, at the end, also catches an archive cut short; Ray's agent
     would otherwise fail every job that uses it with BadZipFile.

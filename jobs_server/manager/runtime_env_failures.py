@@ -2,8 +2,9 @@
 
 Ray reports such a failure as `RuntimeEnvSetupError` whose text is the agent's whole traceback,
 often several chained ones. A job's status message should instead say which part of the runtime
-env failed (the field and its URI) and why (HTTP 404, connection refused, not a zip, NoSuchKey),
-in a line a person reads.
+env failed (the field and its URI) and why (HTTP 404, connection refused, not a zip, NoSuchKey,
+pip's own error line), in a line a person reads. It starts with the words of Ray's own server
+(`runtime_env setup failed: Failed to set up runtime environment`), which scripts match.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from jobs_server.errors import InvalidRuntimeEnvError
 from jobs_server.manager.runtime_envs import PackageRef, package_refs
 
 MAX_CAUSE_CHARS = 500
+# Ray's server says `runtime_env setup failed: {RuntimeEnvSetupError}`, and the error's text
+# begins `Failed to set up runtime environment.`: the same words start ours.
+SETUP_FAILED_PREFIX = "runtime_env setup failed: Failed to set up runtime environment."
 
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -63,9 +67,19 @@ def _missing_gcs_package(match: re.Match[str]) -> str:
 
 def _setup_timeout(match: re.Match[str]) -> str:
     return (
-        f"not set up within {match[1]} s (raise runtime_env config setup_timeout_seconds "
-        "if it needs longer)"
+        f"Timeout: not set up within {match[1]} s (raise runtime_env config "
+        "setup_timeout_seconds if it needs longer)"
     )
+
+
+def _command_error(match: re.Match[str]) -> str:
+    # Ray keeps the last lines of a failed command (pip's, for one) indented under this
+    # heading; the command's own last `ERROR:` line names what failed, e.g. the package.
+    errors = re.findall(r"^\s+ERROR: (.+)$", match[2], re.MULTILINE)
+    output_lines = [line.strip() for line in match[2].splitlines() if line.strip()]
+    line = errors[-1] if errors else (output_lines[-1] if output_lines else "")
+    command = "pip install" if "pip" in match[1] else "a setup command"
+    return f"{command} failed: {line}" if line else f"{command} failed"
 
 
 # First match wins: the specific causes Ray's agent meets fetching an archive, most telling first.
@@ -73,6 +87,13 @@ _CAUSES: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
     (
         re.compile(r"Failed to install runtime_env within the timeout of (\d+) seconds"),
         _setup_timeout,
+    ),
+    (
+        re.compile(
+            r"SubprocessCalledProcessError: Run cmd\[\d+\] failed[^\n]*\n(.*?)\n"
+            r"Last \d+ lines of (?:stdout|stderr):\n((?:[ \t]+[^\n]*(?:\n|$))+)"
+        ),
+        _command_error,
     ),
     (re.compile(r"(\d{3}) (?:Client|Server) Error: (.*?) for url: "), _http_status),
     (
@@ -90,10 +111,11 @@ _CAUSES: tuple[tuple[re.Pattern[str], Callable[[re.Match[str]], str]], ...] = (
 
 
 def describe_setup_failure(error_text: str, runtime_env: dict[str, Any]) -> str:
-    """`Runtime env setup failed: <field> '<uri>': <cause> (on node <ip>).`, on one line."""
+    """`runtime_env setup failed: Failed to set up runtime environment. <field> '<uri>':
+    <cause> (on node <ip>).`, on one line."""
     text = strip_ansi(error_text)
     parts = _failed_parts(text, runtime_env)
-    message = "Runtime env setup failed: "
+    message = SETUP_FAILED_PREFIX + " "
     if parts:
         message += " or ".join(f"{ref.field} {ref.uri!r}" for ref in parts) + ": "
     message += _cause(text)

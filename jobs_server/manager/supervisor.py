@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.containment import Containment, detect_containment
+from jobs_server.manager.drivers import driver_job_metadata
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
 from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
@@ -389,7 +390,11 @@ class JobSupervisor:
             {
                 "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
                 RAY_JOB_CONFIG_ENV_VAR: json.dumps(
-                    {"runtime_env": job.runtime_env, "metadata": job.metadata}
+                    {
+                        "runtime_env": job.runtime_env,
+                        # As Ray's supervisor: the driver's job names its submission.
+                        "metadata": driver_job_metadata(job.submission_id, job.metadata),
+                    }
                 ),
                 # Python drivers stream their output instead of flushing it at exit.
                 "PYTHONUNBUFFERED": "1",

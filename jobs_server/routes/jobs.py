@@ -18,7 +18,12 @@ from jobs_server.api_models import (
 )
 from jobs_server.audit import audit, redacted_runtime_env
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_DETAILS_CACHE_KEY, JOB_MANAGER_KEY, SETTINGS_KEY
+from jobs_server.keys import (
+    JOB_DETAILS_CACHE_KEY,
+    JOB_MANAGER_KEY,
+    RAY_DRIVERS_KEY,
+    SETTINGS_KEY,
+)
 from jobs_server.manager import JobStatus, new_submission_id
 from jobs_server.request_body import (
     describe_validation_error,
@@ -79,7 +84,14 @@ async def list_jobs(request: web.Request) -> web.Response:
         statuses=query.statuses(), after=query.after, limit=query.limit
     )
     cache = request.app[JOB_DETAILS_CACHE_KEY]
-    text = "[" + ",".join(cache.json_for(record) for record in page.records) + "]"
+    drivers = await request.app[RAY_DRIVERS_KEY].find(page.records)
+    text = (
+        "["
+        + ",".join(
+            cache.json_for(record, drivers.get(record.submission_id)) for record in page.records
+        )
+        + "]"
+    )
     response = web.Response(text=text, content_type="application/json")
     if page.next_after is not None:
         next_page = request.rel_url.update_query(after=page.next_after)
@@ -90,7 +102,8 @@ async def list_jobs(request: web.Request) -> web.Response:
 @routes.get("/api/jobs/{job_id}", name="get_job")
 async def get_job(request: web.Request) -> web.Response:
     record = await request.app[JOB_MANAGER_KEY].get_job(request.match_info["job_id"])
-    return json_response(JobDetails.from_record(record))
+    drivers = await request.app[RAY_DRIVERS_KEY].find([record])
+    return json_response(JobDetails.from_record(record, drivers.get(record.submission_id)))
 
 
 @routes.post("/api/jobs/{job_id}/stop", name="stop_job")
