@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp_cors
 from aiohttp import web
@@ -21,6 +21,7 @@ from jobs_server.keys import (
     SETTINGS_KEY,
 )
 from jobs_server.manager import (
+    Backend,
     JobManager,
     PackageStore,
     connect_to_ray,
@@ -43,10 +44,9 @@ logger = logging.getLogger(__name__)
 _BODY_LIMIT_MARGIN_BYTES = 64 * 1024
 
 
-def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.Application:
-    """Build the app; it joins Ray and starts the manager on startup, and undoes both on cleanup.
-
-    Pass `manager` to use one that the caller owns (it is neither started nor closed here).
+def create_app(settings: Settings, *, backend: Backend | None = None) -> web.Application:
+    """Build the app. Without `backend` it joins Ray and starts the manager on startup, and undoes
+    both on cleanup; with one (its owner starts and closes it) no Ray is touched.
     """
     app = web.Application(
         middlewares=[metrics_middleware, error_middleware, cross_site_middleware, auth_middleware],
@@ -58,7 +58,10 @@ def create_app(settings: Settings, *, manager: JobManager | None = None) -> web.
     )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
-    app.cleanup_ctx.append(_ray_and_manager(manager))
+    if backend is None:
+        app.cleanup_ctx.append(_ray_backend)
+    else:
+        _use_backend(app, backend)
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:
@@ -83,34 +86,39 @@ def _allow_cors(app: web.Application, origins: list[str]) -> None:
         cors.add(route)
 
 
-def _ray_and_manager(
-    given_manager: JobManager | None,
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ray_and_manager(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS_KEY]
-        # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
-        # that Ray expects.
-        connection = connect_to_ray(
-            settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
-        )
-        manager = given_manager or JobManager(
-            gcs_address=connection.gcs_address,
-            namespace=settings.namespace,
-            log_dir=settings.log_dir,
-            stop_grace_s=settings.stop_grace_s,
-            job_start_timeout_s=settings.job_start_timeout_s,
-            shared_supervisors=settings.shared_supervisors,
-        )
-        app[JOB_MANAGER_KEY] = manager
-        app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)
-        app[CLUSTER_INFO_KEY] = await read_cluster_info(connection.gcs_address)
-        if given_manager is None:
-            await manager.start()
-        try:
-            yield
-        finally:
-            if given_manager is None:
-                await manager.close()
-            await asyncio.to_thread(disconnect_from_ray, connection)
+def _use_backend(app: web.Application, backend: Backend) -> None:
+    app[JOB_MANAGER_KEY] = backend.manager
+    app[PACKAGE_STORE_KEY] = backend.package_store
+    app[CLUSTER_INFO_KEY] = backend.cluster_info
 
-    return ray_and_manager
+
+async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
+    """Join Ray and run a manager on it while the app serves."""
+    settings = app[SETTINGS_KEY]
+    # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
+    # that Ray expects.
+    connection = connect_to_ray(
+        settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
+    )
+    manager = JobManager(
+        gcs_address=connection.gcs_address,
+        namespace=settings.namespace,
+        log_dir=settings.log_dir,
+        stop_grace_s=settings.stop_grace_s,
+        job_start_timeout_s=settings.job_start_timeout_s,
+        shared_supervisors=settings.shared_supervisors,
+    )
+    _use_backend(
+        app,
+        Backend(
+            manager=manager,
+            package_store=PackageStore(connection.gcs_address, settings.max_package_bytes),
+            cluster_info=await read_cluster_info(connection.gcs_address),
+        ),
+    )
+    await manager.start()
+    try:
+        yield
+    finally:
+        await manager.close()
+        await asyncio.to_thread(disconnect_from_ray, connection)

@@ -6,13 +6,15 @@ from aiohttp import web
 
 from jobs_server.api_models import JobDetailsJsonCache
 from jobs_server.auth import AccessPolicy
-from jobs_server.manager import ClusterInfo, JobManager, PackageStore
+from jobs_server.manager import ClusterInfo, JobManagerApi, PackageStoreApi
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
-JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
-PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
+# Typed by Protocol, so the real manager and the tests' fakes both fit (a Protocol is not a
+# concrete class, hence the subscript rather than a type argument).
+JOB_MANAGER_KEY = web.AppKey[JobManagerApi]("job_manager")
+PACKAGE_STORE_KEY = web.AppKey[PackageStoreApi]("package_store")
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)

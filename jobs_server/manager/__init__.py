@@ -1,5 +1,6 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
+from jobs_server.manager.api import Backend, JobManagerApi, PackageStoreApi
 from jobs_server.manager.job_manager import JobManager, JobPage, new_submission_id
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
@@ -13,15 +14,18 @@ from jobs_server.manager.ray_cluster import (
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 
 __all__ = [
+    "Backend",
     "ClusterInfo",
     "JobErrorType",
     "JobManager",
+    "JobManagerApi",
     "JobPage",
     "JobRecord",
     "JobSpec",
     "JobStatus",
     "LogChunk",
     "PackageStore",
+    "PackageStoreApi",
     "RayConnection",
     "connect_to_ray",
     "disconnect_from_ray",
