@@ -1,6 +1,6 @@
 """In-memory stand-ins for the Ray-backed parts of the app, for tests that never need a job to run.
 
-`FakeJobManager(...).backend()` gives `create_app` a backend that touches no Ray: a FakeJobManager that
+`FakeJobManager(...).backend()` gives `create_app` a backend that touches no Ray: the manager
 keeps records in memory under the real manager's rules and raises its domain errors
 (tests/test_fake_manager.py runs the same checks on both), logs that are real files read by the
 real chunk reader, and the real PackageStore over an in-memory KV. A fake job runs nothing: it
