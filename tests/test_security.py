@@ -356,6 +356,11 @@ def _deep(depth: int) -> str:
     return '{"entrypoint": "true", "metadata": ' + "[" * depth + "]" * depth + "}"
 
 
+def _deep_runtime_env(depth: int) -> str:
+    # A shape the models accept at any depth: only the depth limit refuses it.
+    return '{"entrypoint": "true", "runtime_env": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+
+
 JSON = {"Content-Type": "application/json"}
 # (method, path, headers, body, the status and error code it must get)
 HOSTILE_REQUESTS: list[tuple[str, str, dict[str, str], bytes, int, str]] = [
@@ -371,6 +376,7 @@ HOSTILE_REQUESTS: list[tuple[str, str, dict[str, str], bytes, int, str]] = [
     ("POST", "/api/jobs/", JSON, b'{"entrypoint": "  "}', 400, "invalid_request"),
     ("POST", "/api/jobs/", JSON, _deep(200).encode(), 400, "invalid_request"),
     ("POST", "/api/jobs/", JSON, _deep(5000).encode(), 400, "invalid_request"),
+    ("POST", "/api/jobs/", JSON, _deep_runtime_env(40).encode(), 400, "invalid_request"),
     ("POST", "/api/jobs/", JSON, b'{"entrypoint": "true", "x": 1}', 400, "invalid_request"),
     (
         "POST",
