@@ -27,6 +27,7 @@ from jobs_server.keys import (
     SHUTTING_DOWN_KEY,
 )
 from jobs_server.manager import (
+    Backend,
     ClusterHealth,
     DashboardRegistration,
     JobManager,
@@ -58,12 +59,12 @@ _BODY_LIMIT_MARGIN_BYTES = 64 * 1024
 def create_app(
     settings: Settings,
     *,
-    manager: JobManager | None = None,
+    backend: Backend | None = None,
     on_cluster_lost: Callable[[str], None] | None = None,
 ) -> web.Application:
-    """Build the app; it joins Ray and starts the manager on startup, and undoes both on cleanup.
+    """Build the app. Without `backend` it joins Ray and starts the manager on startup, and undoes
+    both on cleanup; with one (its owner starts and closes it) no Ray is touched.
 
-    Pass `manager` to use one that the caller owns (it is neither started nor closed here).
     `on_cluster_lost(reason)` is called when the Ray cluster is gone for good; by default the
     process exits with CLUSTER_LOST_EXIT_CODE.
     """
@@ -79,9 +80,12 @@ def create_app(
     app[METRICS_KEY] = ServerMetrics()
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
     app.on_shutdown.append(_end_log_streams)
-    app.cleanup_ctx.append(_ray_and_manager(manager))
-    app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
-    app.cleanup_ctx.append(_dashboard_registration)
+    if backend is None:
+        app.cleanup_ctx.append(_ray_backend)
+        app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
+        app.cleanup_ctx.append(_dashboard_registration)
+    else:
+        _use_backend(app, backend)
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:
@@ -131,45 +135,50 @@ async def _dashboard_registration(app: web.Application) -> AsyncIterator[None]:
             await registration.unregister()
 
 
-def _ray_and_manager(
-    given_manager: JobManager | None,
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ray_and_manager(app: web.Application) -> AsyncIterator[None]:
-        settings = app[SETTINGS_KEY]
-        # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
-        # that Ray expects. It also replaces the SIGTERM handler with its own (exit 1, with a
-        # stack dump): put back aiohttp's, so SIGTERM shuts down as gracefully as SIGINT.
-        sigterm_handler = signal.getsignal(signal.SIGTERM)
-        connection = connect_to_ray(
-            settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
-        )
-        if sigterm_handler is not None:
-            signal.signal(signal.SIGTERM, sigterm_handler)
-        manager = given_manager or JobManager(
-            gcs_address=connection.gcs_address,
-            namespace=settings.namespace,
-            log_dir=settings.log_dir,
-            stop_grace_s=settings.stop_grace_s,
-            job_start_timeout_s=settings.job_start_timeout_s,
-            shared_supervisors=settings.shared_supervisors,
-        )
-        app[JOB_MANAGER_KEY] = manager
-        app[PACKAGE_STORE_KEY] = PackageStore(connection.gcs_address, settings.max_package_bytes)
-        app[CLUSTER_INFO_KEY] = await read_cluster_info(connection.gcs_address)
-        app[CLUSTER_HEALTH_KEY] = ClusterHealth(
-            connection.gcs_address, app[CLUSTER_INFO_KEY].session_name
-        )
-        app[RAY_DRIVERS_KEY] = RayDrivers(connection.gcs_address)
-        if given_manager is None:
-            await manager.start()
-        try:
-            yield
-        finally:
-            if given_manager is None:
-                await manager.close()
-            await asyncio.to_thread(disconnect_from_ray, connection)
+def _use_backend(app: web.Application, backend: Backend) -> None:
+    app[JOB_MANAGER_KEY] = backend.manager
+    app[PACKAGE_STORE_KEY] = backend.package_store
+    app[CLUSTER_INFO_KEY] = backend.cluster_info
+    app[RAY_DRIVERS_KEY] = backend.drivers
 
-    return ray_and_manager
+
+async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
+    """Join Ray and run a manager on it while the app serves."""
+    settings = app[SETTINGS_KEY]
+    # ray.init blocks; nothing else runs on the loop yet, so run it here, on the main thread
+    # that Ray expects. It also replaces the SIGTERM handler with its own (exit 1, with a stack
+    # dump): put back aiohttp's, so SIGTERM shuts down as gracefully as SIGINT.
+    sigterm_handler = signal.getsignal(signal.SIGTERM)
+    connection = connect_to_ray(
+        settings.ray_address, embedded_node_ip=settings.embedded_ray_node_ip
+    )
+    if sigterm_handler is not None:
+        signal.signal(signal.SIGTERM, sigterm_handler)
+    manager = JobManager(
+        gcs_address=connection.gcs_address,
+        namespace=settings.namespace,
+        log_dir=settings.log_dir,
+        stop_grace_s=settings.stop_grace_s,
+        job_start_timeout_s=settings.job_start_timeout_s,
+        shared_supervisors=settings.shared_supervisors,
+    )
+    cluster_info = await read_cluster_info(connection.gcs_address)
+    _use_backend(
+        app,
+        Backend(
+            manager=manager,
+            package_store=PackageStore(connection.gcs_address, settings.max_package_bytes),
+            cluster_info=cluster_info,
+            drivers=RayDrivers(connection.gcs_address),
+        ),
+    )
+    app[CLUSTER_HEALTH_KEY] = ClusterHealth(connection.gcs_address, cluster_info.session_name)
+    await manager.start()
+    try:
+        yield
+    finally:
+        await manager.close()
+        await asyncio.to_thread(disconnect_from_ray, connection)
 
 
 def _cluster_watch(

@@ -8,13 +8,21 @@ from aiohttp import web
 
 from jobs_server.auth import AccessPolicy
 from jobs_server.job_details_cache import JobDetailsJsonCache
-from jobs_server.manager import ClusterHealth, ClusterInfo, JobManager, PackageStore, RayDrivers
+from jobs_server.manager import (
+    ClusterHealth,
+    ClusterInfo,
+    DriverFinderApi,
+    JobManagerApi,
+    PackageStoreApi,
+)
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
-JOB_MANAGER_KEY = web.AppKey("job_manager", JobManager)
-PACKAGE_STORE_KEY = web.AppKey("package_store", PackageStore)
+# Typed by Protocol, so the real manager and the tests' fakes both fit (a Protocol is not a
+# concrete class, hence the subscript rather than a type argument).
+JOB_MANAGER_KEY = web.AppKey[JobManagerApi]("job_manager")
+PACKAGE_STORE_KEY = web.AppKey[PackageStoreApi]("package_store")
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 CLUSTER_HEALTH_KEY = web.AppKey("cluster_health", ClusterHealth)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
@@ -22,7 +30,7 @@ ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 # Set when the server begins to shut down: open log streams end.
 SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
-RAY_DRIVERS_KEY = web.AppKey("ray_drivers", RayDrivers)
+RAY_DRIVERS_KEY = web.AppKey[DriverFinderApi]("ray_drivers")
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
+from tests.fakes import FakeJobManager
 
 # Test clusters are not about Ray's own token authentication.
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -239,6 +240,28 @@ async def client(
 ) -> AsyncIterator[TestClient[Any, Any]]:
     """The app on a loopback port, wired to real Ray."""
     return await aiohttp_client(create_app(settings))
+
+
+@pytest.fixture
+def fake_settings(tmp_path: Path) -> Settings:
+    """Settings for an app on fakes: no Ray cluster behind it."""
+    return Settings(port=0, log_dir=tmp_path / "logs", namespace="fake")
+
+
+@pytest.fixture
+def fake(fake_settings: Settings) -> FakeJobManager:
+    """An in-memory job manager (tests/fakes.py) for tests that never need a job to run."""
+    return FakeJobManager(fake_settings.log_dir, max_package_bytes=fake_settings.max_package_bytes)
+
+
+@pytest.fixture
+async def fake_client(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    fake_settings: Settings,
+    fake: FakeJobManager,
+) -> TestClient[Any, Any]:
+    """The app on a loopback port, on `fake`: no Ray is touched."""
+    return await aiohttp_client(create_app(fake_settings, backend=fake.backend()))
 
 
 def kill_actors_in_namespace(namespace: str) -> None:

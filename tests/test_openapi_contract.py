@@ -24,6 +24,7 @@ from jobs_server import api_models
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import wait_for_status
+from tests.fakes import FakeJobManager
 from tests.openapi_contract import (
     HTTP_METHODS,
     NO_ROUTE_OPERATION,
@@ -264,13 +265,15 @@ async def test_responses_match_the_document(
 
 async def test_token_answers_match_the_document(
     aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
-    settings: Settings,
+    fake_settings: Settings,
+    fake: FakeJobManager,
     contract: Contract,
 ) -> None:
     """On a server with a token, every operation but the probe answers 401 without it and 403
-    with a wrong one, as documented; a cross-site browser gets 403 too."""
-    secured = settings.model_copy(update={"auth_token": SecretStr("contract-token")})
-    api = Exchange(await aiohttp_client(create_app(secured)), contract)
+    with a wrong one, as documented; a cross-site browser gets 403 too. (No request gets past
+    the token, so the app runs on the fake manager: no Ray.)"""
+    secured = fake_settings.model_copy(update={"auth_token": SecretStr("contract-token")})
+    api = Exchange(await aiohttp_client(create_app(secured, backend=fake.backend())), contract)
     for template, path_item in contract.spec["paths"].items():
         path = template.format(job_id="any", protocol="gcs", package_name="_ray_pkg_00ff.zip")
         for method in HTTP_METHODS:

@@ -1,5 +1,6 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
+from jobs_server.manager.api import Backend, DriverFinderApi, JobManagerApi, PackageStoreApi
 from jobs_server.manager.dashboard_registration import (
     DashboardRegistration,
     registration_address,
@@ -20,17 +21,21 @@ from jobs_server.manager.ray_cluster import (
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 
 __all__ = [
+    "Backend",
     "ClusterHealth",
     "ClusterInfo",
     "DashboardRegistration",
+    "DriverFinderApi",
     "JobErrorType",
     "JobManager",
+    "JobManagerApi",
     "JobPage",
     "JobRecord",
     "JobSpec",
     "JobStatus",
     "LogChunk",
     "PackageStore",
+    "PackageStoreApi",
     "RayConnection",
     "RayDriver",
     "RayDrivers",

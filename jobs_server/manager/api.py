@@ -1,0 +1,92 @@
+"""What the HTTP layer calls, as Protocols: the real manager and package store satisfy them, and
+so do the tests' in-memory fakes (tests/fakes.py), which serve an app that never touches Ray."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from jobs_server.manager.drivers import RayDriver
+from jobs_server.manager.job_manager import JobPage
+from jobs_server.manager.logs import LogChunk
+from jobs_server.manager.ray_cluster import ClusterInfo
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+
+
+class JobManagerApi(Protocol):
+    """The manager's public methods; each raises the domain errors of `jobs_server.errors`."""
+
+    async def submit_job(self, spec: JobSpec) -> JobRecord:
+        """Record the job (PENDING) and start it; DuplicateJobError if its id is taken."""
+        ...
+
+    async def get_job(self, submission_id: str) -> JobRecord:
+        """The job's record; JobNotFoundError if there is none."""
+        ...
+
+    async def list_jobs(
+        self,
+        *,
+        statuses: frozenset[JobStatus] | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> JobPage:
+        """Jobs in submission order, filtered and paged; InvalidRequestError for an unknown
+        `after`."""
+        ...
+
+    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
+        """Ask the job to stop; False if it had already ended."""
+        ...
+
+    async def delete_job(self, submission_id: str) -> None:
+        """Forget an ended job and its log; JobNotTerminalError if it has not ended."""
+        ...
+
+    async def read_logs(
+        self,
+        submission_id: str,
+        *,
+        offset: int = 0,
+        limit: int | None = None,
+        follow: bool = False,
+        idle_tick_s: float | None = None,
+    ) -> AsyncGenerator[LogChunk, None]:
+        """The job's log chunks from `offset`; JobNotFoundError before any chunk is read."""
+        ...
+
+    async def log_size(self, submission_id: str) -> int:
+        """The job's log size in bytes now."""
+        ...
+
+
+class PackageStoreApi(Protocol):
+    """Uploaded `working_dir` and `py_modules` packages, by URI."""
+
+    async def ensure_exists(self, uri: str) -> None:
+        """PackageNotFoundError unless the package was uploaded (and has not expired)."""
+        ...
+
+    async def upload(self, uri: str, data: bytes) -> None:
+        """Store a whole, checked package, or nothing."""
+        ...
+
+
+class DriverFinderApi(Protocol):
+    """Finds the Ray driver that a job's command started, if it started one."""
+
+    async def find(self, records: Sequence[JobRecord]) -> dict[str, RayDriver]:
+        """The Ray driver of each of `records` that has one, by submission id."""
+        ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Everything the routes call. Given to `create_app`, it is used as it is: no Ray is joined,
+    nothing is started or closed (its owner does that)."""
+
+    manager: JobManagerApi
+    package_store: PackageStoreApi
+    cluster_info: ClusterInfo
+    drivers: DriverFinderApi

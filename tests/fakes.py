@@ -1,0 +1,264 @@
+"""In-memory stand-ins for the Ray-backed parts of the app, for tests that never need a job to run.
+
+`FakeJobManager(...).backend()` gives `create_app` a backend that touches no Ray: the manager
+keeps records in memory under the real manager's rules and raises its domain errors
+(tests/test_fake_manager.py runs the same checks on both), logs that are real files read by the
+real chunk reader, and the real PackageStore over an in-memory KV. A fake job runs nothing: it
+stays PENDING until the test moves it on (`start`, `write_log`, `finish`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Sequence
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from jobs_server.errors import (
+    DuplicateJobError,
+    InvalidRequestError,
+    JobNotFoundError,
+    JobNotTerminalError,
+)
+from jobs_server.manager import (
+    Backend,
+    ClusterInfo,
+    JobErrorType,
+    JobPage,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+    LogChunk,
+    PackageStore,
+    RayDriver,
+)
+from jobs_server.manager.job_manager import _validate_runtime_env
+from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
+from jobs_server.manager.records import now_ms
+
+FAKE_CLUSTER_INFO = ClusterInfo(
+    ray_version=ray.__version__, ray_commit=ray.__commit__, session_name="session_fake"
+)
+# What a stopped command's shell reports: killed by SIGTERM.
+STOPPED_EXIT_CODE = -15
+
+
+class InMemoryKv(GcsKv):
+    """A GCS KV namespace in a dict, so the real PackageStore runs without a cluster."""
+
+    def __init__(self) -> None:  # no GcsClient: nothing to connect to
+        self.values: dict[str, bytes] = {}
+        self.pins: dict[str, int] = {}
+
+    async def create(self, key: str, value: bytes) -> bool:
+        if key in self.values:
+            return False
+        self.values[key] = value
+        return True
+
+    async def put(self, key: str, value: bytes) -> None:
+        self.values[key] = value
+
+    async def get(self, key: str) -> bytes | None:
+        return self.values.get(key)
+
+    async def exists(self, key: str) -> bool:
+        return key in self.values
+
+    async def delete(self, key: str) -> None:
+        self.values.pop(key, None)
+
+    async def keys_with_prefix(self, prefix: str) -> list[str]:
+        return [key for key in self.values if key.startswith(prefix)]
+
+    async def get_many(self, keys: list[str]) -> dict[str, bytes]:
+        return {key: self.values[key] for key in keys if key in self.values}
+
+    def pin_uri(self, uri: str, expiration_s: int) -> None:
+        self.pins[uri] = expiration_s
+
+
+class FakePackageStore(PackageStore):
+    """The real PackageStore (its checks, its errors) over an in-memory KV."""
+
+    def __init__(self, max_package_bytes: int) -> None:  # no GCS address: nothing to join
+        self.kv = InMemoryKv()
+        self._kv = self.kv
+        self._max_package_bytes = max_package_bytes
+
+
+class FakeJobManager:
+    """A JobManager without Ray: the same rules and errors, jobs that move only when told.
+
+    Records live in a dict in submission order; a terminal status is final, as in the real
+    store. Stopping a RUNNING job ends it STOPPED at once (the real one asks its supervisor, and
+    the job ends a little later); every stop request is kept in `stop_requests`.
+    """
+
+    def __init__(self, log_dir: Path, *, max_package_bytes: int) -> None:
+        self.log_dir = log_dir
+        self.packages = FakePackageStore(max_package_bytes)
+        self._records: dict[str, JobRecord] = {}
+        self.stop_requests: list[tuple[str, float | None]] = []
+
+    # The manager's API (jobs_server.manager.JobManagerApi).
+
+    async def submit_job(self, spec: JobSpec) -> JobRecord:
+        """Check the runtime env as the real manager does, then record the job PENDING."""
+        await _validate_runtime_env(spec.runtime_env, self.packages)
+        if spec.submission_id in self._records:
+            raise DuplicateJobError(spec.submission_id)
+        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
+        self._records[spec.submission_id] = record
+        return record
+
+    async def get_job(self, submission_id: str) -> JobRecord:
+        return self._get(submission_id)
+
+    async def list_jobs(
+        self,
+        *,
+        statuses: frozenset[JobStatus] | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+    ) -> JobPage:
+        records = list(self._records.values())
+        if after is not None:
+            if after not in self._records:
+                raise InvalidRequestError(f"after: no job {after!r} to continue after.")
+            records = records[list(self._records).index(after) + 1 :]
+        if statuses is not None:
+            records = [record for record in records if record.status in statuses]
+        next_after = None
+        if limit is not None and len(records) > limit:
+            records = records[:limit]
+            next_after = records[-1].submission_id
+        return JobPage(records=records, next_after=next_after)
+
+    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
+        record = self._get(submission_id)
+        self.stop_requests.append((submission_id, grace_period_s))
+        if record.status.is_terminal():
+            return False
+        if record.status is JobStatus.PENDING:
+            self._update(
+                submission_id,
+                status=JobStatus.STOPPED,
+                message="Job was stopped before it started.",
+            )
+        else:
+            self._update(
+                submission_id,
+                status=JobStatus.STOPPED,
+                message="Job was intentionally stopped.",
+                driver_exit_code=STOPPED_EXIT_CODE,
+            )
+        return True
+
+    async def delete_job(self, submission_id: str) -> None:
+        record = self._get(submission_id)
+        if not record.status.is_terminal():
+            raise JobNotTerminalError(submission_id, record.status)
+        del self._records[submission_id]
+        job_log_path(self.log_dir, submission_id).unlink(missing_ok=True)
+
+    async def read_logs(
+        self,
+        submission_id: str,
+        *,
+        offset: int = 0,
+        limit: int | None = None,
+        follow: bool = False,
+        idle_tick_s: float | None = None,
+    ) -> AsyncGenerator[LogChunk, None]:
+        self._get(submission_id)
+
+        async def job_is_terminal() -> bool:
+            record = self._records.get(submission_id)
+            return record is None or record.status.is_terminal()
+
+        return read_log_chunks(
+            job_log_path(self.log_dir, submission_id),
+            offset=offset,
+            limit=limit,
+            follow=follow,
+            job_is_terminal=job_is_terminal,
+            idle_tick_s=idle_tick_s,
+        )
+
+    async def log_size(self, submission_id: str) -> int:
+        self._get(submission_id)
+        return await asyncio.to_thread(log_size, job_log_path(self.log_dir, submission_id))
+
+    def backend(self) -> Backend:
+        """What `create_app(settings, backend=...)` takes: this manager, its packages."""
+        return Backend(
+            manager=self,
+            package_store=self.packages,
+            cluster_info=FAKE_CLUSTER_INFO,
+            drivers=NoRayDrivers(),
+        )
+
+    # What a test does in place of a supervisor.
+
+    def start(self, submission_id: str, *, pid: int = 4242) -> JobRecord:
+        """The job's command started: RUNNING."""
+        return self._update(
+            submission_id,
+            status=JobStatus.RUNNING,
+            message="Job is currently running.",
+            driver_pid=pid,
+            driver_node_ip="127.0.0.1",
+        )
+
+    def write_log(self, submission_id: str, data: bytes) -> None:
+        """Append the job's output to its log file, as its command would."""
+        self._get(submission_id)
+        path = job_log_path(self.log_dir, submission_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("ab") as log_file:
+            log_file.write(data)
+
+    def finish(self, submission_id: str, *, exit_code: int = 0) -> JobRecord:
+        """The job's command exited: SUCCEEDED with 0, else FAILED."""
+        if exit_code == 0:
+            return self._update(
+                submission_id,
+                status=JobStatus.SUCCEEDED,
+                message="Job finished successfully.",
+                driver_exit_code=0,
+            )
+        return self._update(
+            submission_id,
+            status=JobStatus.FAILED,
+            error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,
+            message=f"Job failed with exit code {exit_code}.",
+            driver_exit_code=exit_code,
+        )
+
+    def _get(self, submission_id: str) -> JobRecord:
+        record = self._records.get(submission_id)
+        if record is None:
+            raise JobNotFoundError(submission_id)
+        return record
+
+    def _update(self, submission_id: str, **changes: Any) -> JobRecord:
+        """Apply `changes` unless the job has ended (a terminal status is final)."""
+        current = self._get(submission_id)
+        if current.status.is_terminal():
+            return current
+        if JobStatus(changes.get("status", current.status)).is_terminal():
+            changes.setdefault("end_time", now_ms())
+        updated = current.with_changes(**changes)
+        self._records[submission_id] = updated
+        return updated
+
+
+class NoRayDrivers:
+    """The fake's jobs run no command, so none of them started a Ray driver."""
+
+    async def find(self, records: Sequence[JobRecord]) -> dict[str, RayDriver]:
+        return {}
