@@ -60,6 +60,7 @@ SERVER_READY_TIMEOUT_S = 90.0
 STOP_GRACE_S = 1.0
 # The share of the regular jobs accepted before each server kill.
 FIRST_KILL_AT = 0.3
+LONG_JOBS_AT = 0.4
 SECOND_KILL_AT = 0.6
 SUBMITTERS = 3
 SUBMIT_INTERVAL_S = 0.1
@@ -90,7 +91,7 @@ REQUEST_TIMEOUT_S = 30.0
 ACTOR_CALL_TIMEOUT_S = 30.0
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 BODY_CHARS = 200
-SHOWN_VIOLATIONS = 40
+SHOWN_PER_KIND = 6
 REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
@@ -114,6 +115,21 @@ REGULAR_MIX = {
     Kind.SLEEPY: 0.25,
     Kind.DEDICATED: 0.06,
 }
+
+
+class Violation(StrEnum):
+    """What kind of wrong the soak found."""
+
+    STUCK = "stuck non-terminal"
+    MISSING = "accepted, not deleted, missing"
+    NOT_GONE = "deleted, still there"
+    WRONG = "status or log untrue"
+    PROCESS_LEFT = "job process left"
+    LIST_OMISSION = "left out of a list"
+    REFUSED = "submission refused"
+    SERVER_ERROR = "HTTP 5xx"
+    SLOW = "not on time during the run"
+    UNFINISHED = "the soak did not finish"
 
 
 @dataclass
@@ -155,7 +171,7 @@ class Restart:
 class Findings:
     """What the soak measured and what it found wrong."""
 
-    violations: list[str] = field(default_factory=list)
+    violations: list[tuple[Violation, str]] = field(default_factory=list)
     list_latencies_s: list[float] = field(default_factory=list)
     list_omissions: Counter[str] = field(default_factory=Counter)
     lists_with_omissions: int = 0
@@ -170,9 +186,9 @@ class Findings:
     timings_s: dict[str, float] = field(default_factory=dict)
     final_statuses: Counter[str] = field(default_factory=Counter)
 
-    def violation(self, text: str) -> None:
-        logger.warning("violation: %s", text)
-        self.violations.append(text)
+    def violation(self, kind: Violation, text: str) -> None:
+        logger.warning("violation (%s): %s", kind, text)
+        self.violations.append((kind, text))
 
 
 class ApiError(Exception):
@@ -264,7 +280,8 @@ class Soak:
             self.findings.http_errors[f"{method} {_route(path)} -> {response.status}"] += 1
             if response.status >= 500:
                 self.findings.violation(
-                    f"{method} {path} answered {response.status}: {text[:BODY_CHARS]!r}"
+                    Violation.SERVER_ERROR,
+                    f"{method} {path} answered {response.status}: {text[:BODY_CHARS]!r}",
                 )
             raise ApiError(response.status, text)
         return await response.json(content_type=None) if text else None
@@ -287,12 +304,15 @@ class Soak:
                     break
                 if job.kind is Kind.FIXED and error.status == 400:
                     self.findings.violation(
+                        Violation.REFUSED,
                         f"resubmit of deleted {job.submission_id} (generation "
-                        f"{job.generation}) refused: {error.text[:BODY_CHARS]!r}"
+                        f"{job.generation}) refused: {error.text[:BODY_CHARS]!r}",
                     )
                     await asyncio.sleep(1.0)
                     continue
-                self.findings.violation(f"POST {job.submission_id} refused: {error}")
+                self.findings.violation(
+                    Violation.REFUSED, f"POST {job.submission_id} refused: {error}"
+                )
                 return False
             break
         else:
@@ -447,7 +467,9 @@ class Soak:
                 if details["status"] in TERMINAL_STATUSES:
                     return True
             await asyncio.sleep(JOB_POLL_INTERVAL_S)
-        self.findings.violation(f"{submission_id} not terminal {JOB_TERMINAL_TIMEOUT_S:.0f} s on")
+        self.findings.violation(
+            Violation.SLOW, f"{submission_id} not terminal {JOB_TERMINAL_TIMEOUT_S:.0f} s on"
+        )
         return False
 
     async def _delete_now(self, job: Job) -> None:
@@ -470,9 +492,10 @@ class Soak:
         before = self._accepted_ids()
         await self.restart("kill -9 mid-run", before, kill_supervisor=False)
 
-        await self._until_accepted(SECOND_KILL_AT * regular)
+        await self._until_accepted(LONG_JOBS_AT * regular)
         await asyncio.gather(*(self.submit(job) for job in self.long))
         await self._wait_long_running()
+        await self._until_accepted(SECOND_KILL_AT * regular)
         before = self._accepted_ids()
         await self.restart("kill -9, shared supervisor kill -9 while down", before, True)
 
@@ -498,7 +521,8 @@ class Soak:
             await asyncio.sleep(JOB_POLL_INTERVAL_S)
         if waiting:
             self.findings.violation(
-                f"{len(waiting)} long jobs not RUNNING {LONG_RUNNING_TIMEOUT_S:.0f} s on"
+                Violation.SLOW,
+                f"{len(waiting)} long jobs not RUNNING {LONG_RUNNING_TIMEOUT_S:.0f} s on",
             )
 
     async def restart(self, reason: str, before: set[str], kill_supervisor: bool) -> None:
@@ -633,40 +657,46 @@ class Soak:
             async with self.session.get(f"{self.url}/api/jobs/{submission_id}") as response:
                 if response.status != 404:
                     self.findings.violation(
-                        f"{submission_id}: deleted, but GET answers {response.status}"
+                        Violation.NOT_GONE,
+                        f"{submission_id}: deleted, but GET answers {response.status}",
                     )
         for pid, what in job_processes(self.token):
-            self.findings.violation(f"job process left: pid {pid}: {what}")
+            self.findings.violation(Violation.PROCESS_LEFT, f"pid {pid}: {what}")
         omitted = self.findings.list_omissions
         if omitted:
             self.findings.violation(
+                Violation.LIST_OMISSION,
                 f"{len(omitted)} accepted jobs were left out of"
                 f" {self.findings.lists_with_omissions} of {len(self.findings.list_latencies_s)}"
                 f" lists that began after their POST was"
-                f" answered (e.g. {', '.join(sorted(omitted)[:3])})"
+                f" answered (e.g. {', '.join(sorted(omitted)[:3])})",
             )
 
     def check_job(self, job: Job, details: dict[str, Any] | None, log: str | None) -> None:
         sid = job.submission_id
         if job.accepted_at_s is None and not job.maybe_accepted:
             if details is not None:
-                self.findings.violation(f"{sid}: never accepted, but listed")
+                self.findings.violation(Violation.NOT_GONE, f"{sid}: never accepted, but listed")
             return
         if job.deleted or job.maybe_deleted:
             if details is not None and job.deleted:
-                self.findings.violation(f"{sid}: deleted, but still listed ({details['status']})")
+                self.findings.violation(
+                    Violation.NOT_GONE, f"{sid}: deleted, but still listed ({details['status']})"
+                )
             return
         if details is None:
             if job.accepted_at_s is not None:
-                self.findings.violation(f"{sid} ({job.kind}): accepted, never deleted, not listed")
+                self.findings.violation(Violation.MISSING, f"{sid} ({job.kind}): not listed")
             return
         status = details["status"]
         if status not in TERMINAL_STATUSES:
-            self.findings.violation(f"{sid} ({job.kind}): stuck {status} {FINAL_WAIT_S:.0f} s on")
+            self.findings.violation(
+                Violation.STUCK, f"{sid} ({job.kind}): {status} {FINAL_WAIT_S:.0f} s on"
+            )
             return
         error = expected_error(job, details, log)
         if error:
-            self.findings.violation(f"{sid} ({job.kind}): {error}")
+            self.findings.violation(Violation.WRONG, f"{sid} ({job.kind}): {error}")
 
 
 def expected_error(job: Job, details: dict[str, Any], log: str | None) -> str | None:
@@ -768,22 +798,27 @@ def summary(soak: Soak, total_s: float, error: str | None) -> str:
             f" before terminal {converged} later |"
         )
     lines += [
-        f"| shared supervisor killed | pid {findings.killed_supervisor_pid}, with"
-        f" {findings.killed_supervisor_jobs} jobs non-terminal on it |",
+        f"| shared supervisor killed | pid {findings.killed_supervisor_pid}; jobs on it not seen"
+        f" terminal before: {findings.killed_supervisor_jobs} |",
         f"| requests refused while the server was down | {findings.refused_while_down} |",
         f"| HTTP error answers | {dict(findings.http_errors) or 'none'} |",
         f"| tracebacks in the server's log | {soak.server_tracebacks} |",
         f"| final statuses | {dict(sorted(findings.final_statuses.items()))} |",
         "",
     ]
-    violations = findings.violations + ([error] if error else [])
+    violations = findings.violations + ([(Violation.UNFINISHED, error)] if error else [])
     lines.append(f"## Violations: {len(violations)}")
     lines.append("")
-    lines += [f"- {violation}" for violation in violations[:SHOWN_VIOLATIONS]]
-    if len(violations) > SHOWN_VIOLATIONS:
-        lines.append(f"- … and {len(violations) - SHOWN_VIOLATIONS} more")
     if not violations:
         lines.append("None: no job stuck or missing, every status and log true, no process left.")
+    by_kind: dict[Violation, list[str]] = {}
+    for kind, text in violations:
+        by_kind.setdefault(kind, []).append(text)
+    for kind, texts in by_kind.items():
+        lines.append(f"- **{kind}**: {len(texts)}")
+        lines += [f"  - {text}" for text in texts[:SHOWN_PER_KIND]]
+        if len(texts) > SHOWN_PER_KIND:
+            lines.append(f"  - … and {len(texts) - SHOWN_PER_KIND} more")
     return "\n".join(lines) + "\n"
 
 
