@@ -2,7 +2,8 @@
 killed -9 twice and its shared supervisor killed -9 once while the server is down; then checks
 that every job's record is true.
 
-    .venv/bin/python -m benchmarks.soak [--jobs 500] [--seed 1] [--deadline-s 600] [--keep]
+    .venv/bin/python -m benchmarks.soak [--jobs 500] [--seed 1] [--deadline-s 600] [--no-faults]
+                                        [--keep] [--output benchmarks/results-soak.md]
 
 Starts a Ray head node (its own process group, 127.0.0.2, no dashboard) and `jobs_server serve`
 joined to it, drives the jobs, kills and restarts the server on the same namespace and log
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 RESULTS_PATH = Path(__file__).parent / "results-soak.md"
 DEFAULT_JOBS = 500
+# The long and fixed-id jobs, and some regular ones of each kind.
+MIN_JOBS = 100
 DEFAULT_DEADLINE_S = 600.0
 # Logical CPUs of the head node: room for the dedicated supervisors (0.1 CPU each) next to the
 # shared one, whatever the machine has.
@@ -203,8 +206,11 @@ class ApiError(Exception):
 class Soak:
     """The run: the cluster's and server's processes, the jobs, and the activities on them."""
 
-    def __init__(self, *, jobs: int, seed: int, work_dir: Path, gcs_address: str) -> None:
+    def __init__(
+        self, *, jobs: int, seed: int, work_dir: Path, gcs_address: str, faults: bool = True
+    ) -> None:
         self.planned = jobs
+        self.with_faults = faults
         self.rng = random.Random(seed)
         self.work_dir = work_dir
         self.gcs_address = gcs_address
@@ -220,8 +226,9 @@ class Soak:
         self.done = asyncio.Event()
         self.findings = Findings()
         self.jobs: dict[str, Job] = {}
-        self.regular = self._plan_regular(jobs - LONG_JOBS - FIXED_IDS * FIXED_GENERATIONS)
-        self.long = [self._job(f"{self.token}-long-{i:02d}", Kind.LONG) for i in range(LONG_JOBS)]
+        long_jobs = LONG_JOBS if faults else 0
+        self.regular = self._plan_regular(jobs - long_jobs - FIXED_IDS * FIXED_GENERATIONS)
+        self.long = [self._job(f"{self.token}-long-{i:02d}", Kind.LONG) for i in range(long_jobs)]
         self.fixed = [
             self._job(f"{self.token}-fixed-{i:02d}", Kind.FIXED) for i in range(FIXED_IDS)
         ]
@@ -487,6 +494,9 @@ class Soak:
     # The faults.
 
     async def faults(self) -> None:
+        """Kill -9 the server twice mid-run, the second time its shared supervisor too."""
+        if not self.with_faults:
+            return
         regular = len(self.regular)
         await self._until_accepted(FIRST_KILL_AT * regular)
         before = self._accepted_ids()
@@ -770,7 +780,7 @@ def summary(soak: Soak, total_s: float, error: str | None) -> str:
         "# Soak",
         "",
         f"{datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC, `python -m benchmarks.soak"
-        f" --jobs {soak.planned}`, {os.cpu_count()}"
+        f" --jobs {soak.planned}{'' if soak.with_faults else ' --no-faults'}`, {os.cpu_count()}"
         f" cores, Ray {ray.__version__}, {total_s:.0f} s in all.",
         "",
         "| what | value |",
@@ -847,12 +857,29 @@ def ray_head(work_dir: Path) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__)
-    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S)
+    parser.add_argument(
+        "--jobs", type=int, default=DEFAULT_JOBS, help=f"submissions in all (at least {MIN_JOBS})"
+    )
+    parser.add_argument("--seed", type=int, default=1, help="of the job mix's order")
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=DEFAULT_DEADLINE_S,
+        help="hard deadline of the run (then everything is stopped and it fails)",
+    )
+    parser.add_argument(
+        "--faults",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kill the server and its shared supervisor mid-run (--no-faults: a baseline)",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work dir (logs)")
-    parser.add_argument("--output", type=Path, default=RESULTS_PATH)
+    parser.add_argument(
+        "--output", type=Path, default=RESULTS_PATH, help="where the summary is written"
+    )
     args = parser.parse_args(argv)
+    if args.jobs < MIN_JOBS:
+        parser.error(f"--jobs must be at least {MIN_JOBS}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     started_s = time.monotonic()
     # Short: Ray's socket paths under it must fit in 107 bytes.
@@ -862,7 +889,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with ray_head(work_dir) as gcs_address:
             ray.init(address=gcs_address, logging_level="WARNING", log_to_driver=False)
-            soak = Soak(jobs=args.jobs, seed=args.seed, work_dir=work_dir, gcs_address=gcs_address)
+            soak = Soak(
+                jobs=args.jobs,
+                seed=args.seed,
+                work_dir=work_dir,
+                gcs_address=gcs_address,
+                faults=args.faults,
+            )
             remaining_s = args.deadline_s - (time.monotonic() - started_s)
             try:
                 asyncio.run(asyncio.wait_for(soak.run(), timeout=remaining_s))
