@@ -256,17 +256,18 @@ def jobs_server(ray_address: str, work_dir: Path) -> Iterator[OurServer]:
 
 
 def surviving_processes(marker: str) -> list[tuple[int, str]]:
-    """Processes whose command line mentions `marker` (a path unique to this run)."""
+    """Processes whose command line or environment mentions `marker` (unique to this run):
+    a job's shell names it in its command, the commands it starts inherit its environment."""
     found: list[tuple[int, str]] = []
+    needle = marker.encode()
     for pid_dir in Path("/proc").iterdir():
         if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
             continue
         with contextlib.suppress(OSError):
-            cmdline = (
-                (pid_dir / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            )
-            if marker in cmdline:
-                found.append((int(pid_dir.name), cmdline.strip()[:200]))
+            cmdline = (pid_dir / "cmdline").read_bytes()
+            if needle in cmdline or needle in (pid_dir / "environ").read_bytes():
+                text = cmdline.replace(b"\0", b" ").decode(errors="replace")
+                found.append((int(pid_dir.name), text.strip()[:200]))
     return found
 
 

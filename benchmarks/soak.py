@@ -38,6 +38,7 @@ from typing import Any
 import aiohttp
 import ray
 
+from benchmarks.processes import NO_DRAIN, kill_survivors, surviving_processes
 from benchmarks.stats import percentile
 from tests.conftest import (
     RAY_NODE_IP,
@@ -164,8 +165,8 @@ class Restart:
     """One kill -9 of the server and its restart."""
 
     reason: str
+    # From the kill until the new server answered.
     down_s: float = 0.0
-    ready_s: float = 0.0
     converged_s: float | None = None
     waited_for: int = 0
 
@@ -561,9 +562,9 @@ class Soak:
                 ):
                     job.in_killed_supervisor = True
                     self.findings.killed_supervisor_jobs += 1
-        restart.down_s = time.monotonic() - killed_s
-        restart.ready_s = await asyncio.to_thread(self.start_server)
+        await asyncio.to_thread(self.start_server)
         ready_at_s = time.monotonic()
+        restart.down_s = ready_at_s - killed_s
         self.up.set()
         restart.waited_for = len(before)
         restart.converged_s = await self._converge(before, ready_at_s)
@@ -603,7 +604,7 @@ class Soak:
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         ) as self.session:
-            self.findings.timings_s["server start"] = await asyncio.to_thread(self.start_server)
+            self.findings.timings_s["server start (s)"] = await asyncio.to_thread(self.start_server)
             self.up.set()
             started_s = time.monotonic()
             queue = list(reversed(self.regular))
@@ -619,11 +620,11 @@ class Soak:
             ]
             await asyncio.gather(*foreground)
             submitted_s = time.monotonic() - started_s
-            self.findings.timings_s["submitting (with both restarts)"] = submitted_s
+            self.findings.timings_s["submitting, both restarts included (s)"] = submitted_s
             self.done.set()
             await asyncio.gather(*background)
             settled_s = await self.settle()
-            self.findings.timings_s["all terminal after the last POST"] = settled_s
+            self.findings.timings_s["all terminal after the last POST (s)"] = settled_s
             self.findings.timings_s["jobs accepted per second"] = self.accepted / submitted_s
             await self.check()
 
@@ -670,7 +671,7 @@ class Soak:
                         Violation.NOT_GONE,
                         f"{submission_id}: deleted, but GET answers {response.status}",
                     )
-        for pid, what in job_processes(self.token):
+        for pid, what in surviving_processes(self.token):
             self.findings.violation(Violation.PROCESS_LEFT, f"pid {pid}: {what}")
         omitted = self.findings.list_omissions
         if omitted:
@@ -746,30 +747,6 @@ def _route(path: str) -> str:
     )
 
 
-def job_processes(token: str) -> list[tuple[int, str]]:
-    """Processes of the run's jobs: their shell's command line or their environment holds the
-    run's token."""
-    found: list[tuple[int, str]] = []
-    needle = token.encode()
-    for pid_dir in Path("/proc").iterdir():
-        if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
-            continue
-        with contextlib.suppress(OSError):
-            cmdline = (pid_dir / "cmdline").read_bytes()
-            if needle in cmdline or needle in (pid_dir / "environ").read_bytes():
-                found.append(
-                    (int(pid_dir.name), cmdline.replace(b"\0", b" ").decode()[:BODY_CHARS])
-                )
-    return found
-
-
-def kill_job_processes(token: str) -> None:
-    """SIGKILL, by pid, what is left of the run's jobs."""
-    for pid, _ in job_processes(token):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 # The report.
 
 
@@ -803,9 +780,9 @@ def summary(soak: Soak, total_s: float, error: str | None) -> str:
             else f"not in {CONVERGE_TIMEOUT_S:.0f} s"
         )
         lines.append(
-            f"| restart {number} ({restart.reason}) | down {restart.down_s:.1f} s, answering"
-            f" {restart.ready_s:.1f} s after its start, the {restart.waited_for} jobs accepted"
-            f" before terminal {converged} later |"
+            f"| restart {number} ({restart.reason}) | answering {restart.down_s:.1f} s after the"
+            f" kill; the {restart.waited_for} jobs accepted before it all terminal {converged}"
+            f" after that |"
         )
     lines += [
         f"| shared supervisor killed | pid {findings.killed_supervisor_pid}; jobs on it not seen"
@@ -846,7 +823,7 @@ def ray_head(work_dir: Path) -> Iterator[str]:
         ],
         RAY_NODE_IP,
         work_dir / "ray-start.log",
-        env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+        env={**os.environ, **NO_DRAIN},
     )
     try:
         node.wait_until_started()
@@ -911,7 +888,7 @@ def main(argv: list[str] | None = None) -> int:
                 ray.shutdown()
     finally:
         if soak is not None:
-            kill_job_processes(soak.token)
+            kill_survivors(soak.token)
         if args.keep:
             logger.info("work dir kept: %s", work_dir)
         else:
