@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from benchmarks.client import JobsApi
+from tests.test_logs import parse_sse
 
 # A server sends a log in frames of at most tens of KiB; no frame limit on our side.
 NO_FRAME_LIMIT = 0
@@ -145,41 +146,24 @@ async def read_sse_log(api: JobsApi, submission_id: str, *, timeout_s: float) ->
 
 
 class SseLogParser:
-    """Parses our log events (data: a JSON string of log text; a final `event: end`)."""
+    """Parses our log events (data: a JSON string of log text; a final `event: end`) as they
+    come, with the tests' parser of whole events."""
 
     def __init__(self) -> None:
         self._pending = b""
-        self._event = ""
-        self._data: list[bytes] = []
         self.log_bytes = 0
         self.ended = False
 
     def feed(self, chunk: bytes) -> bool:
         """Take the next bytes of the stream; True once the `end` event arrived."""
-        # Only whole lines: a chunk may end between a line's CR and LF.
-        text = self._pending + chunk
-        cut = text.rfind(b"\n") + 1
+        # Only whole events: a chunk may end inside one (or between a line's CR and LF).
+        text = (self._pending + chunk).replace(b"\r\n", b"\n")
+        cut = text.rfind(b"\n\n") + 2 if b"\n\n" in text else 0
         self._pending = text[cut:]
-        for line in text[:cut].splitlines():
-            self._take_line(line)
-            if self.ended:
+        for event in parse_sse(text[:cut].decode()):
+            if event.get("event") == "end":
+                self.ended = True
                 return True
+            if "data" in event:
+                self.log_bytes += len(json.loads(event["data"]).encode())
         return False
-
-    def _take_line(self, line: bytes) -> None:
-        if not line:
-            self._dispatch()
-            return
-        field, _, value = line.partition(b":")
-        value = value.removeprefix(b" ")
-        if field == b"data":
-            self._data.append(value)
-        elif field == b"event":
-            self._event = value.decode()
-
-    def _dispatch(self) -> None:
-        if self._event == "end":
-            self.ended = True
-        elif self._data:
-            self.log_bytes += len(json.loads(b"\n".join(self._data)).encode())
-        self._event, self._data = "", []

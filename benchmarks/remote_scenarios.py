@@ -12,13 +12,12 @@ import logging
 import time
 
 import aiohttp
+import psutil
 
 from benchmarks.client import is_terminal, watch_statuses
 from benchmarks.log_readers import logs_path, ray_json_log
 from benchmarks.log_scenarios import python_entrypoint
 from benchmarks.processes import (
-    RayWorker,
-    SetupError,
     kill_survivors,
     start_ray_worker,
     stop_ray_worker,
@@ -34,6 +33,7 @@ from benchmarks.scenarios import (
     poll_until,
     stop_and_wait,
 )
+from tests.test_multi_node import RayNode
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class NodeLoss(Scenario):
                 resources={LOST_NODE_RESOURCE: 1},
                 num_cpus=LOST_NODE_CPUS,
             )
-        except SetupError as error:
+        except AssertionError as error:
             ctx.note(f"the throwaway worker node did not start: {error}")
             return {}
         [job_id] = ctx.job_ids("lost", 1)
@@ -103,7 +103,7 @@ class NodeLoss(Scenario):
             await self._stop_if_going(ctx, job_id)
 
     async def _lose_node_under_job(
-        self, ctx: RunContext, node: RayWorker, job_id: str
+        self, ctx: RunContext, node: RayNode, job_id: str
     ) -> dict[str, Figure]:
         line = f"still here {job_id}"
         await ctx.api.submit(
@@ -114,9 +114,10 @@ class NodeLoss(Scenario):
         if not await self._wait_for_line(ctx, job_id, line):
             return {}
         await note_if_ran_elsewhere(ctx, job_id, node.ip)
-        raylet = node.raylet()
-        if raylet is None:
-            ctx.note("the throwaway worker node had no raylet to kill")
+        try:
+            raylet = node.raylet()
+        except (AssertionError, psutil.Error) as error:
+            ctx.note(f"the throwaway worker node had no raylet to kill: {error!r}")
             return {}
         raylet.kill()
         killed_at_s = time.monotonic()

@@ -37,7 +37,6 @@ from benchmarks.log_scenarios import BigLog, LogTailLatency, TimeToFirstLine
 from benchmarks.processes import (
     RAY_NUM_CPUS,
     RayHead,
-    RayWorker,
     jobs_server,
     kill_survivors,
     our_log_processes,
@@ -61,6 +60,7 @@ from benchmarks.scenarios import (
     Scenario,
     SequentialSubmit,
 )
+from tests.test_multi_node import RayNode
 
 logger = logging.getLogger("benchmarks")
 
@@ -341,7 +341,7 @@ def render(
     return "\n".join(lines) + "\n"
 
 
-def worker_node(head: RayHead) -> contextlib.AbstractContextManager[RayWorker]:
+def worker_node(head: RayHead) -> contextlib.AbstractContextManager[RayNode]:
     """The worker node the remote scenarios' jobs run on: the only one with their resource."""
     return ray_worker(
         head,
@@ -374,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         with contextlib.ExitStack() as stack:
             head = stack.enter_context(ray_head(work_dir))
             ours = stack.enter_context(jobs_server(head.gcs_address, work_dir))
-            workers: list[RayWorker] = []
+            workers: list[RayNode] = []
             if any(scenario.group == ON_WORKER.group for scenario in scenarios):
                 workers.append(stack.enter_context(worker_node(head)))
             results = asyncio.run(

@@ -29,9 +29,10 @@ from benchmarks.client import (
     watch_statuses,
 )
 from benchmarks.log_readers import LogReadError
-from benchmarks.processes import RAY_NODE_IP, WORKER_NODE_IP, RayHead
+from benchmarks.processes import WORKER_NODE_IP, RayHead
 from benchmarks.report import Better, Figure, Metric, Results, Server, Target, Unit
 from benchmarks.stats import machine_pss_bytes, percentile
+from tests.conftest import RAY_NODE_IP
 
 logger = logging.getLogger(__name__)
 
