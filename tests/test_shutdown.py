@@ -159,6 +159,19 @@ def node_with_the_token(ray_connection: str) -> Iterator[None]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+# The environment of the Ray worker that started the job: the nearest ancestor that is not the
+# job's (in a PID namespace `$PPID` is the namespace's init; /proc/self is the node's view).
+PRINT_RAY_WORKER_ENVIRONMENT = """
+pid = int(open("/proc/self/stat").read().split()[0])
+while True:
+    pid = int(open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[1])
+    environ = open(f"/proc/{pid}/environ", "rb").read()
+    if b"JOBS_SERVER_SUBMISSION_ID=" not in environ:
+        print(environ.replace(bytes(1), bytes([10])).decode())
+        break
+"""
+
+
 @pytest.mark.parametrize(
     ("mode", "secret_source"),
     [("embedded", "env"), ("joined", "env"), ("joined", "file"), ("joined", "node env")],
@@ -192,7 +205,7 @@ async def test_a_job_inherits_none_of_the_servers_secrets(
             # The job's own environment, and that of the process that started it (a Ray worker).
             job_id = await submit(
                 http,
-                entrypoint="env; echo ---; tr '\\0' '\\n' < /proc/$PPID/environ",
+                entrypoint=f"env; echo ---; python -c '{PRINT_RAY_WORKER_ENVIRONMENT}'",
                 **job_resources,
             )
             job = await wait_for_status(http, job_id, timeout_s=120)

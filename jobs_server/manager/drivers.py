@@ -94,7 +94,10 @@ class RayDrivers:
             else:
                 if lookup.driver is not None:
                     found[submission_id] = lookup.driver
-                if lookup.final or now_s - lookup.looked_at_s < DRIVER_LOOKUP_INTERVAL_S:
+                # A job seen ended for the first time gets its last look at once: its driver may
+                # have registered since the last look, and nobody may ask again.
+                looked_lately = now_s - lookup.looked_at_s < DRIVER_LOOKUP_INTERVAL_S
+                if lookup.final or (looked_lately and not record.status.is_terminal()):
                     continue
             to_look.append(record)
             # Concurrent requests for the same job wait for this look, not start their own.
