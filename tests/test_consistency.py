@@ -405,3 +405,32 @@ async def test_jobs_created_while_the_first_list_indexes_are_listed(ray_connecti
     for before, listed in lists:
         assert set(before) <= listed, (len(lists), sorted(set(before) - listed)[:10])
     assert len(lists[-1][1]) == 200
+
+
+async def test_a_pending_job_whose_command_began_is_not_run_again(
+    aiohttp_client: Any, settings: Any
+) -> None:
+    """A server killed after its shared supervisor began a job's command (its log exists) but
+    before RUNNING was recorded, and that supervisor killed too: the restarted server must not
+    run the command a second time on the new supervisor, and must still start a job that was
+    never handed over."""
+    from jobs_server.app import create_app
+    from jobs_server.manager.logs import job_log_path
+    from jobs_server.manager.records import new_run_id
+
+    store = JobStore(GcsKv(settings.ray_address, settings.namespace))
+    began, never = "began-" + uuid.uuid4().hex[:6], "never-" + uuid.uuid4().hex[:6]
+    for job_id in (began, never):
+        spec = JobSpec(entrypoint=f"echo second run of {job_id}", submission_id=job_id)
+        await store.create(JobRecord(spec=spec, start_time=now_ms(), run_id=new_run_id()))
+    settings.log_dir.mkdir(parents=True, exist_ok=True)
+    job_log_path(settings.log_dir, began).write_text("first run\n")
+
+    client = await aiohttp_client(create_app(settings))
+    began_job = await wait_for_status(client, began)
+    assert began_job["status"] == "FAILED"
+    assert began_job["error_type"] == "JOB_SUPERVISOR_ACTOR_DIED"
+    assert await job_logs(client, began) == "first run\n"
+    never_job = await wait_for_status(client, never)
+    assert never_job["status"] == "SUCCEEDED"
+    assert await job_logs(client, never) == f"second run of {never}\n"

@@ -38,6 +38,10 @@ class Launcher:
         supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
         return Launch(supervisor, supervisor.run_job.remote(self.supervised_job(record)))
 
+    def log_path(self, record: JobRecord) -> Path:
+        """The job's log on the head; a command that began has created it."""
+        return job_log_path(self._log_dir, record.submission_id)
+
     def supervised_job(self, record: JobRecord) -> dict[str, Any]:
         """What the supervisor needs, as the plain fields `run_job` takes."""
         spec = record.spec

@@ -61,6 +61,15 @@ class Recovery:
     async def _adopt(self, record: JobRecord) -> None:
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if record.status is JobStatus.PENDING and await self._began_elsewhere(record, supervisor):
+            # Its command began under a supervisor that died before recording RUNNING: running
+            # it again would run a job twice (its log twice over).
+            await self._fail(
+                record,
+                f"The job's supervisor ({name}) died after its command began and before it was "
+                "recorded; its processes are gone. Its output until then is in the log.",
+            )
+            return
         if supervisor is None and record.status is JobStatus.PENDING:
             # The server died between recording the job and handing it over: it was accepted,
             # so it runs.
@@ -89,6 +98,19 @@ class Recovery:
         else:
             finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
         self._watchers.watch(record, Launch(supervisor, finished))
+
+    async def _began_elsewhere(self, record: JobRecord, supervisor: Any | None) -> bool:
+        """Whether a pending job's command began (its log exists) under a supervisor that is
+        not running it now."""
+        if not await asyncio.to_thread(self._launcher.log_path(record).exists):
+            return False
+        if supervisor is None:
+            return True
+        try:
+            return not await supervisor.knows_run.remote(record.submission_id, record.run_id)
+        except Exception as error:
+            logger.warning("supervisor of job %s does not answer: %s", record.submission_id, error)
+            return True
 
     async def _incarnation(self, name: str, supervisor: Any) -> str | None:
         """The actor id of the live supervisor `name`, None if it does not answer."""

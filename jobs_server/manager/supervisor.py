@@ -183,6 +183,12 @@ class JobSupervisor:
                 run.log_drained.set()
         return data, complete
 
+    async def knows_run(self, submission_id: str, run_id: str) -> bool:
+        """Whether this supervisor was given the job's run and runs it (for a restarted server:
+        a new supervisor under an old one's name never was)."""
+        run = self._runs.get(submission_id)
+        return run is not None and run.job.run_id == run_id
+
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         """Ask a job to stop: SIGTERM now, SIGKILL after the grace period. Asked again while it
         stops, a shorter grace period ends the running one sooner."""
