@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs_server.manager.job_run import SupervisedJob
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
-from jobs_server.manager.supervisor import SupervisedJob
 from jobs_server.manager.supervisors import Supervisors
 
 

@@ -11,29 +11,30 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import secrets
-import signal
 import subprocess
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from pydantic import BaseModel, ConfigDict
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.containment import Containment, detect_containment
-from jobs_server.manager.drivers import driver_job_metadata
-from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
+from jobs_server.manager.guardian import start_guardian
+from jobs_server.manager.job_run import (
+    JOB_TIMEOUT_ERROR_TYPE,
+    JobRun,
+    SupervisedJob,
+    driver_env,
+    end_grace_within,
+    failure_message,
+)
 from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
-    JOB_TOKEN_ENV_VAR,
     StopDeadline,
     become_child_subreaper,
     kill_job_processes,
@@ -46,55 +47,13 @@ from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
 
-# Ray's driver reads its job config (runtime_env, metadata) from this variable, so tasks and
-# actors that the entrypoint starts inherit the job's runtime env.
-RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
-SUBMISSION_ID_ENV_VAR = "JOBS_SERVER_SUBMISSION_ID"
-JOB_TIMEOUT_ERROR_TYPE = "JOB_TIMEOUT"
-
-
-class SupervisedJob(BaseModel):
-    """What a supervisor needs to run one job."""
-
-    model_config = ConfigDict(frozen=True)
-
-    submission_id: str
-    entrypoint: str
-    log_path: Path
-    runtime_env: dict[str, Any]
-    metadata: dict[str, str]
-    stop_grace_s: float
-    timeout_s: float | None = None
-    run_id: str = ""
-    """The run of `submission_id` this is (see `JobRecord.run_id`)."""
-    head_node_id: str | None = None
-    """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
-    log on its own node for the server to pull. None: this node."""
-
-
-@dataclass
-class _JobRun:
-    """One job in this supervisor: its task and the events the manager can wait for or set."""
-
-    job: SupervisedJob
-    log_path: Path
-    """Where the command writes: the server's log file, or this node's spool of it."""
-    started: asyncio.Event = field(default_factory=asyncio.Event)
-    exited: asyncio.Event = field(default_factory=asyncio.Event)
-    log_drained: asyncio.Event = field(default_factory=asyncio.Event)
-    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
-    stop_deadline: StopDeadline | None = None
-    """Set by the first stop (or the timeout); a later stop may bring it forward."""
-    task: asyncio.Task[JobStatus] | None = None
-    pid: int | None = None
-
 
 class JobSupervisor:
     """Runs jobs to their end; every method is keyed by submission id and safe to call again."""
 
     def __init__(self, kv_namespace: str) -> None:
         self._kv_namespace = kv_namespace
-        self._runs: dict[str, _JobRun] = {}
+        self._runs: dict[str, JobRun] = {}
         # Spooled logs the server has not pulled to the end yet, by submission id.
         self._spools: dict[str, Path] = {}
         # Jobs someone waits for that `run_job` has not brought yet: an async actor need not
@@ -132,7 +91,7 @@ class JobSupervisor:
             await asyncio.wait({run.task})
             run = self._runs.get(job.submission_id)
         if run is None:
-            run = _JobRun(job=job, log_path=self._log_path_here(job))
+            run = JobRun(job=job, log_path=self._log_path_here(job))
             self._runs[job.submission_id] = run
             run.task = asyncio.create_task(self._run(run))
             run.task.add_done_callback(functools.partial(self._forget_run, run))
@@ -195,11 +154,11 @@ class JobSupervisor:
         run = self._runs.get(submission_id)
         if run is None:
             return False
-        _end_grace_within(run, run.job.stop_grace_s if grace_period_s is None else grace_period_s)
+        end_grace_within(run, run.job.stop_grace_s if grace_period_s is None else grace_period_s)
         run.stop_requested.set()
         return True
 
-    def _forget_run(self, run: _JobRun, _: object) -> None:
+    def _forget_run(self, run: JobRun, _: object) -> None:
         if self._runs.get(run.job.submission_id) is run:
             del self._runs[run.job.submission_id]
 
@@ -218,7 +177,7 @@ class JobSupervisor:
             )
         return self._store
 
-    async def _run(self, run: _JobRun) -> JobStatus:
+    async def _run(self, run: JobRun) -> JobStatus:
         try:
             return await self._start_and_wait(run)
         except JobNotFoundError:
@@ -226,7 +185,7 @@ class JobSupervisor:
         finally:
             run.started.set()
 
-    async def _start_and_wait(self, run: _JobRun) -> JobStatus:
+    async def _start_and_wait(self, run: JobRun) -> JobStatus:
         job, store = run.job, self._job_store()
         record = await store.get(job.submission_id, job.run_id)
         if record.status.is_terminal() or record.run_id != job.run_id:
@@ -243,7 +202,7 @@ class JobSupervisor:
             process = await start_entrypoint(
                 job.entrypoint,
                 log_path=run.log_path,
-                env=self._driver_env(job, job_token),
+                env=driver_env(job, job_token, self._supervisor_token),
                 containment=containment,
             )
             run.pid = process.pid
@@ -294,7 +253,7 @@ class JobSupervisor:
         """Command pids that asyncio still waits for; reaping them here would steal their status."""
         return {run.pid for run in self._runs.values() if run.pid is not None}
 
-    def _other_roots(self, run: _JobRun) -> frozenset[int]:
+    def _other_roots(self, run: JobRun) -> frozenset[int]:
         """The commands of this supervisor's other jobs: not orphans of `run`'s."""
         return frozenset(self._running_pids() - {run.pid} if run.pid is not None else ())
 
@@ -310,7 +269,7 @@ class JobSupervisor:
 
     async def _wait_for_end(
         self,
-        run: _JobRun,
+        run: JobRun,
         process: asyncio.subprocess.Process,
         job_token: str,
         containment: Containment,
@@ -328,7 +287,7 @@ class JobSupervisor:
             process,
             job_token=job_token,
             # A stop set it; a timeout did not.
-            deadline=run.stop_deadline or _end_grace_within(run, job.stop_grace_s),
+            deadline=run.stop_deadline or end_grace_within(run, job.stop_grace_s),
             containment=containment,
             other_roots=self._other_roots(run),
         )
@@ -347,7 +306,7 @@ class JobSupervisor:
             driver_exit_code=exit_code,
         )
 
-    async def _record_exit(self, run: _JobRun, exit_code: int) -> JobRecord:
+    async def _record_exit(self, run: JobRun, exit_code: int) -> JobRecord:
         if exit_code == 0:
             return await self._record_end(
                 run,
@@ -359,11 +318,11 @@ class JobSupervisor:
             run,
             status=JobStatus.FAILED,
             error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,
-            message=_failure_message(exit_code, read_log_tail(run.log_path)),
+            message=failure_message(exit_code, read_log_tail(run.log_path)),
             driver_exit_code=exit_code,
         )
 
-    async def _record_end(self, run: _JobRun, **changes: Any) -> JobRecord:
+    async def _record_end(self, run: JobRun, **changes: Any) -> JobRecord:
         """Write the job's terminal status, once the server has pulled a spooled log to its end:
         whoever sees the job end finds its whole log on the head node."""
         run.exited.set()
@@ -377,61 +336,3 @@ class JobSupervisor:
                     run.log_path,
                 )
         return await self._job_store().update(run.job.submission_id, run.job.run_id, **changes)
-
-    def _driver_env(self, job: SupervisedJob, job_token: str) -> dict[str, str]:
-        # The server's settings (its token among them) are not the job's, even on a node that
-        # was started with them in its environment.
-        env = {
-            name: value
-            for name, value in os.environ.items()
-            if not name.upper().startswith("JOBS_SERVER_")
-        }
-        # A shared supervisor runs jobs with different env_vars: each process gets its own.
-        env.update(job.runtime_env.get("env_vars") or {})
-        # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's
-        # virtualenv, if it has one), not whatever comes first on the node's PATH.
-        python_bin_dir = os.path.dirname(sys.executable)
-        env["PATH"] = os.pathsep.join([python_bin_dir, env.get("PATH", os.defpath)])
-        env.update(
-            {
-                "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-                RAY_JOB_CONFIG_ENV_VAR: json.dumps(
-                    {
-                        "runtime_env": job.runtime_env,
-                        # As Ray's supervisor: the driver's job names its submission.
-                        "metadata": driver_job_metadata(job.submission_id, job.metadata),
-                    }
-                ),
-                # Python drivers stream their output instead of flushing it at exit.
-                "PYTHONUNBUFFERED": "1",
-                SUBMISSION_ID_ENV_VAR: job.submission_id,
-                JOB_TOKEN_ENV_VAR: job_token,
-                SUPERVISOR_TOKEN_ENV_VAR: self._supervisor_token,
-            }
-        )
-        return env
-
-
-def _end_grace_within(run: _JobRun, grace_period_s: float) -> StopDeadline:
-    """Start the job's grace period, or bring a running one forward to end within
-    `grace_period_s` from now."""
-    if run.stop_deadline is None:
-        run.stop_deadline = StopDeadline.after(grace_period_s)
-    else:
-        run.stop_deadline.shorten_to(grace_period_s)
-    return run.stop_deadline
-
-
-def _failure_message(exit_code: int, log_tail: str) -> str:
-    if exit_code < 0:
-        try:
-            signal_name = signal.Signals(-exit_code).name
-        except ValueError:
-            signal_name = str(-exit_code)
-        how = f"was killed by signal {signal_name}"
-    else:
-        how = f"failed with exit code {exit_code}"
-    message = f"Job entrypoint command {how}."
-    if log_tail:
-        message += f" Last output:\n{log_tail}"
-    return message

@@ -1,0 +1,125 @@
+"""One run of one command in a supervisor: what it is given, its state, its environment, and
+what its end says. The supervisor (supervisor.py) owns the runs and the actor's API."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from pydantic import BaseModel, ConfigDict
+
+from jobs_server.manager.drivers import driver_job_metadata
+from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
+from jobs_server.manager.process import JOB_TOKEN_ENV_VAR, StopDeadline
+from jobs_server.manager.records import JobStatus
+
+# Ray's driver reads its job config (runtime_env, metadata) from this variable, so tasks and
+# actors that the entrypoint starts inherit the job's runtime env.
+RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+SUBMISSION_ID_ENV_VAR = "JOBS_SERVER_SUBMISSION_ID"
+JOB_TIMEOUT_ERROR_TYPE = "JOB_TIMEOUT"
+
+
+class SupervisedJob(BaseModel):
+    """What a supervisor needs to run one job."""
+
+    model_config = ConfigDict(frozen=True)
+
+    submission_id: str
+    entrypoint: str
+    log_path: Path
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str]
+    stop_grace_s: float
+    timeout_s: float | None = None
+    run_id: str = ""
+    """The run of `submission_id` this is (see `JobRecord.run_id`)."""
+    head_node_id: str | None = None
+    """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
+    log on its own node for the server to pull. None: this node."""
+
+
+@dataclass
+class JobRun:
+    """One job in this supervisor: its task and the events the manager can wait for or set."""
+
+    job: SupervisedJob
+    log_path: Path
+    """Where the command writes: the server's log file, or this node's spool of it."""
+    started: asyncio.Event = field(default_factory=asyncio.Event)
+    exited: asyncio.Event = field(default_factory=asyncio.Event)
+    log_drained: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
+    stop_deadline: StopDeadline | None = None
+    """Set by the first stop (or the timeout); a later stop may bring it forward."""
+    task: asyncio.Task[JobStatus] | None = None
+    pid: int | None = None
+
+
+def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dict[str, str]:
+    """The environment of a job's command: the node's, less the server's settings, with the
+    job's env_vars, its Ray job config and the markers its processes are found by."""
+    # The server's settings (its token among them) are not the job's, even on a node that
+    # was started with them in its environment.
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.upper().startswith("JOBS_SERVER_")
+    }
+    # A shared supervisor runs jobs with different env_vars: each process gets its own.
+    env.update(job.runtime_env.get("env_vars") or {})
+    # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's
+    # virtualenv, if it has one), not whatever comes first on the node's PATH.
+    python_bin_dir = os.path.dirname(sys.executable)
+    env["PATH"] = os.pathsep.join([python_bin_dir, env.get("PATH", os.defpath)])
+    env.update(
+        {
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+            RAY_JOB_CONFIG_ENV_VAR: json.dumps(
+                {
+                    "runtime_env": job.runtime_env,
+                    # As Ray's supervisor: the driver's job names its submission.
+                    "metadata": driver_job_metadata(job.submission_id, job.metadata),
+                }
+            ),
+            # Python drivers stream their output instead of flushing it at exit.
+            "PYTHONUNBUFFERED": "1",
+            SUBMISSION_ID_ENV_VAR: job.submission_id,
+            JOB_TOKEN_ENV_VAR: job_token,
+            SUPERVISOR_TOKEN_ENV_VAR: supervisor_token,
+        }
+    )
+    return env
+
+
+def end_grace_within(run: JobRun, grace_period_s: float) -> StopDeadline:
+    """Start the job's grace period, or bring a running one forward to end within
+    `grace_period_s` from now."""
+    if run.stop_deadline is None:
+        run.stop_deadline = StopDeadline.after(grace_period_s)
+    else:
+        run.stop_deadline.shorten_to(grace_period_s)
+    return run.stop_deadline
+
+
+def failure_message(exit_code: int, log_tail: str) -> str:
+    """What a failed job's status says: how its command ended, and its last output."""
+    if exit_code < 0:
+        try:
+            signal_name = signal.Signals(-exit_code).name
+        except ValueError:
+            signal_name = str(-exit_code)
+        how = f"was killed by signal {signal_name}"
+    else:
+        how = f"failed with exit code {exit_code}"
+    message = f"Job entrypoint command {how}."
+    if log_tail:
+        message += f" Last output:\n{log_tail}"
+    return message
