@@ -61,6 +61,13 @@ def test_environment_supplies_settings_and_flags_override(
     assert (from_flags.port, from_flags.ray_address) == (1234, "x:1")
 
 
+def test_cors_origins_come_from_a_comma_separated_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A list from the environment is split on commas, not parsed as JSON (pydantic-settings
+    before 2.7 refused this value: the lowest-bounds smoke runs this test)."""
+    monkeypatch.setenv("JOBS_SERVER_CORS_ORIGINS", "https://a.example,https://b.example")
+    assert load_settings({}).cors_origins == ["https://a.example", "https://b.example"]
+
+
 @pytest.mark.parametrize(
     "flags", [["--port", "not-a-port"], ["--port", "70000"], ["--stop-grace-s", "-1"]]
 )
