@@ -63,6 +63,6 @@ async def version(request: web.Request) -> web.Response:
             ray_version=cluster.ray_version,
             ray_commit=cluster.ray_commit,
             session_name=cluster.session_name,
-            containment=await asyncio.to_thread(_head_node_containment),
+            containment=(await asyncio.to_thread(_head_node_containment)).value,
         )
     )
