@@ -40,7 +40,10 @@ from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
 
 FAKE_CLUSTER_INFO = ClusterInfo(
-    ray_version=ray.__version__, ray_commit=ray.__commit__, session_name="session_fake"
+    ray_version=ray.__version__,
+    ray_commit=ray.__commit__,
+    session_name="session_fake",
+    containment="marker",
 )
 # What a stopped command's shell reports: killed by SIGTERM.
 STOPPED_EXIT_CODE = -15

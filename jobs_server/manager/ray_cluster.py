@@ -18,6 +18,7 @@ import psutil
 import ray
 
 from jobs_server.errors import ClusterUnavailableError
+from jobs_server.manager.containment import detect_containment
 from jobs_server.manager.kv import GcsKv
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,8 @@ class ClusterInfo:
     ray_version: str
     ray_commit: str
     session_name: str | None
+    containment: str
+    """How jobs are contained on the head node, where the shared supervisors run."""
 
 
 def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnection:
@@ -223,10 +226,13 @@ async def watch_cluster(health: ClusterHealth) -> str:
 
 async def read_cluster_info(gcs_address: str) -> ClusterInfo:
     session_name = await GcsKv(gcs_address, _SESSION_KV_NAMESPACE).get(_SESSION_NAME_KEY)
+    # Probed once, here on the head node, as the shared supervisors probe it beside us.
+    containment = await asyncio.to_thread(detect_containment)
     return ClusterInfo(
         ray_version=ray.__version__,
         ray_commit=ray.__commit__,
         session_name=session_name.decode() if session_name is not None else None,
+        containment=containment.value,
     )
 
 

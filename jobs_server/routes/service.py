@@ -4,7 +4,6 @@ Prometheus `/metrics` and its contract `/api/openapi.yaml`."""
 from __future__ import annotations
 
 import asyncio
-import functools
 from importlib import resources
 
 from aiohttp import web
@@ -12,13 +11,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jobs_server.api_models import HealthResponse, VersionResponse
 from jobs_server.keys import CLUSTER_HEALTH_KEY, CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
-from jobs_server.manager.containment import detect_containment
 from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
 JOBS_API_VERSION = "4"
-# Probed once, on the head node (this server's), as its shared supervisors probe it there.
-_head_node_containment = functools.cache(detect_containment)
 
 routes = web.RouteTableDef()
 
@@ -63,6 +59,6 @@ async def version(request: web.Request) -> web.Response:
             ray_version=cluster.ray_version,
             ray_commit=cluster.ray_commit,
             session_name=cluster.session_name,
-            containment=(await asyncio.to_thread(_head_node_containment)).value,
+            containment=cluster.containment,
         )
     )
