@@ -1,43 +1,57 @@
-"""`jobs-server serve`: build Settings from flags and the environment, then run the app."""
+"""The `jobs-server` command: `serve` runs the server; the other commands are the terminal
+client (jobs_server/client), which must start fast: only `serve` imports the server, pydantic
+and Ray, and only when it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import ssl
 import sys
 from collections.abc import Sequence
-from typing import Any
-
-from aiohttp import web
-from pydantic import ValidationError
+from typing import TYPE_CHECKING, Any
 
 from jobs_server import __version__
-from jobs_server.app import create_app
-from jobs_server.auth import TokenSourceError, is_loopback, resolve_auth_token
-from jobs_server.request_body import describe_validation_error
-from jobs_server.settings import AUTH_TOKEN_ENV_VAR, Settings
+from jobs_server.client.commands import USAGE_EXIT_CODE, add_client_commands, run_client_command
+
+if TYPE_CHECKING:
+    import ssl
+
+    from jobs_server.settings import Settings
 
 logger = logging.getLogger(__name__)
+SERVE = "serve"
 
 
 def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """One flag per Settings field, so every option has a flag and a JOBS_SERVER_* variable."""
+def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:
+    """The serve command with one flag per Settings field (so every option has a flag and a
+    JOBS_SERVER_* variable; left out when another command runs, to keep pydantic unimported),
+    and the client's commands."""
     parser = argparse.ArgumentParser(
-        prog="jobs-server", description="A Ray-compatible HTTP job server."
+        prog="jobs-server",
+        description="A Ray-compatible HTTP job server (`serve`) and its terminal client.",
     )
     parser.add_argument("--version", action="version", version=f"jobs-server {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     serve = commands.add_parser(
-        "serve",
+        SERVE,
         help="run the server",
         description="Run the job server. Flags override JOBS_SERVER_* environment variables.",
     )
+    add_client_commands(commands)
+    if serve_options:
+        _add_serve_options(serve)
+    return parser
+
+
+def _add_serve_options(serve: argparse.ArgumentParser) -> None:
+    from jobs_server.settings import Settings
+
     for name, field in Settings.model_fields.items():
         env_var = f"JOBS_SERVER_{name.upper()}"
         if name == "ray_address":
@@ -63,19 +77,52 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=name.upper(),
             help=f"{help_text} (default: {default})",
         )
-    return parser
 
 
 def load_settings(flags: dict[str, Any]) -> Settings:
     """Settings from the environment, overridden by the flags that were given."""
+    from jobs_server.settings import Settings
+
     return Settings(**flags)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = vars(build_parser().parse_args(argv))
-    args.pop("command")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(serve_options=_command_of(argv) == SERVE)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        print(
+            "jobs-server: no command given; to run the server, try `jobs-server serve`"
+            " (`jobs-server serve --help` lists its options)\n",
+            file=sys.stderr,
+        )
+        parser.print_help(sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    if args.command != SERVE:
+        sys.exit(run_client_command(args))
+    flags = vars(args)
+    flags.pop("command")
+    serve(flags)
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The subcommand named on the command line (the first word that is not an option)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+def serve(flags: dict[str, Any]) -> None:
+    """Run the server with these flags over the environment, until SIGTERM or SIGINT."""
+    import ssl
+
+    from aiohttp import web
+    from pydantic import ValidationError
+
+    from jobs_server.app import create_app
+    from jobs_server.auth import TokenSourceError, resolve_auth_token
+    from jobs_server.request_body import describe_validation_error
+
     try:
-        settings = load_settings(args)
+        settings = load_settings(flags)
     except ValidationError as error:
         sys.exit(f"jobs-server: {describe_validation_error(error)}")
     _forget_secrets_in_environment()
@@ -111,6 +158,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 def _forget_secrets_in_environment() -> None:
     """The token is in Settings now; no child process may inherit it: not an embedded Ray's
     processes, nor through them the supervisors and every job."""
+    from jobs_server.settings import AUTH_TOKEN_ENV_VAR
+
     for name in list(os.environ):
         if name.upper() == AUTH_TOKEN_ENV_VAR:
             del os.environ[name]
@@ -118,6 +167,8 @@ def _forget_secrets_in_environment() -> None:
 
 def _check_bind(settings: Settings, *, has_token: bool) -> None:
     """Refuse to expose an unauthenticated server beyond this machine: it runs shell commands."""
+    from jobs_server.auth import is_loopback
+
     if has_token or is_loopback(settings.host):
         return
     if not settings.insecure_no_auth:
@@ -134,6 +185,8 @@ def _check_bind(settings: Settings, *, has_token: bool) -> None:
 
 
 def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    import ssl
+
     if settings.tls_cert is None or settings.tls_key is None:
         return None
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

@@ -1,0 +1,76 @@
+"""What the client prints: a job list as a table, one job's details, times people read."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+ENTRYPOINT_WIDTH = 60
+
+
+def print_json(value: Any, out: TextIO) -> None:
+    out.write(json.dumps(value, indent=2) + "\n")
+
+
+def print_job_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
+    """One line per job, oldest first, as the server lists them."""
+    rows = [("SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "ENTRYPOINT")]
+    now_ms = int(time.time() * 1000)
+    for job in jobs:
+        rows.append(
+            (
+                str(job.get("submission_id")),
+                str(job.get("status")),
+                format_time(job.get("start_time")),
+                format_duration(job.get("start_time"), job.get("end_time"), now_ms),
+                shorten(str(job.get("entrypoint", "")), ENTRYPOINT_WIDTH),
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    for row in rows:
+        cells = [cell.ljust(width) for cell, width in zip(row, widths, strict=False)]
+        out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
+
+
+def print_job(job: dict[str, Any], out: TextIO) -> None:
+    """One job's details, a field a line; the message last (it may be long)."""
+    fields = [
+        ("submission_id", job.get("submission_id")),
+        ("status", job.get("status")),
+        ("exit_code", job.get("driver_exit_code")),
+        ("entrypoint", job.get("entrypoint")),
+        ("started", format_time(job.get("start_time"))),
+        ("ended", format_time(job.get("end_time"))),
+        ("error_type", job.get("error_type")),
+    ]
+    fields += [(f"metadata.{key}", value) for key, value in (job.get("metadata") or {}).items()]
+    fields.append(("message", job.get("message")))
+    for name, value in fields:
+        if value not in (None, "", "-"):
+            out.write(f"{name + ':':15}{value}\n")
+
+
+def format_time(epoch_ms: Any) -> str:
+    if not isinstance(epoch_ms, int) or epoch_ms <= 0:
+        return "-"
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch_ms / 1000))
+
+
+def format_duration(start_ms: Any, end_ms: Any, now_ms: int) -> str:
+    if not isinstance(start_ms, int) or start_ms <= 0:
+        return "-"
+    seconds = ((end_ms if isinstance(end_ms, int) and end_ms > 0 else now_ms) - start_ms) / 1000
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, seconds = divmod(int(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"
+
+
+def shorten(text: str, width: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
