@@ -1,0 +1,483 @@
+"""The terminal client (`jobs-server submit|logs|list|status|stop|delete`) as a user runs it: a
+real `python -m jobs_server` process against a server on a loopback port.
+
+Most tests drive the fake manager's server (tests/fakes.py), so the test decides exactly when a
+job prints and ends; a proxy in the test drops the client's connection mid-event. The last tests
+run real jobs on the real server (`server_url`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pty
+import signal
+import sys
+import termios
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+from pydantic import SecretStr
+
+from jobs_server.app import create_app
+from jobs_server.client.follow import exit_code_of
+from jobs_server.client.sse import Event, read_events
+from jobs_server.settings import Settings
+from tests.fakes import FakeJobManager
+
+CLIENT = [sys.executable, "-m", "jobs_server"]
+TOKEN = "client-test-token"
+AiohttpServer = Callable[..., Awaitable[TestServer]]
+
+
+class Cli:
+    """One `jobs-server ...` process: its output read as it comes."""
+
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+        self.stdout = b""
+
+    async def read_until(self, expected: bytes, timeout_s: float = 30) -> None:
+        """Read stdout until it holds `expected` (fails with what it holds after `timeout_s`)."""
+        assert self.process.stdout is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                while expected not in self.stdout:
+                    chunk = await self.process.stdout.read(65536)
+                    assert chunk, f"stdout ended before {expected!r}: {self.stdout!r}"
+                    self.stdout += chunk
+        except TimeoutError:
+            raise AssertionError(f"no {expected!r} on stdout: {self.stdout!r}") from None
+
+    async def finish(self, timeout_s: float = 60) -> tuple[int, bytes, str]:
+        """Its exit code, all of stdout and stderr."""
+        stdout, stderr = await asyncio.wait_for(self.process.communicate(), timeout_s)
+        assert self.process.returncode is not None
+        return self.process.returncode, self.stdout + (stdout or b""), (stderr or b"").decode()
+
+
+async def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> Cli:
+    environment = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
+    environment.pop("JOBS_SERVER_URL", None)
+    environment.pop("JOBS_SERVER_AUTH_TOKEN", None)
+    environment.update(env or {})
+    kwargs.setdefault("stdin", asyncio.subprocess.DEVNULL)
+    kwargs.setdefault("stdout", asyncio.subprocess.PIPE)
+    kwargs.setdefault("stderr", asyncio.subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(*CLIENT, *args, env=environment, **kwargs)
+    return Cli(process)
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    return await (await start_cli(*args, env=env)).finish()
+
+
+class DroppingProxy:
+    """A TCP proxy to `upstream` that, once, cuts the server's answer right after the first
+    `cut_at` bytes pass (forwarding only up to them), then aborts both sides; it keeps the
+    request heads it saw."""
+
+    def __init__(self, upstream_port: int, cut_at: bytes) -> None:
+        self.upstream_port, self.cut_at = upstream_port, cut_at
+        self.request_heads: list[bytes] = []
+        self.cut = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self._server.sockets[0].getsockname()[1]
+        return f"http://127.0.0.1:{port}"
+
+    async def close(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        upstream_r, upstream_w = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        head = await client_r.readuntil(b"\r\n\r\n")
+        self.request_heads.append(head)
+        upstream_w.write(head)
+        writers = (client_w, upstream_w)
+        upward = asyncio.create_task(self._pipe(client_r, upstream_w, writers, cuts=False))
+        downward = asyncio.create_task(self._pipe(upstream_r, client_w, writers, cuts=True))
+        self._tasks.update({upward, downward})
+        await asyncio.gather(upward, downward, return_exceptions=True)
+
+    async def _pipe(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        writers: tuple[asyncio.StreamWriter, ...],
+        *,
+        cuts: bool,
+    ) -> None:
+        seen = b""
+        with contextlib.suppress(ConnectionError):
+            while data := await reader.read(65536):
+                if cuts and not self.cut.is_set():
+                    seen += data
+                    if self.cut_at in seen:
+                        keep = len(data) - (len(seen) - seen.index(self.cut_at) - len(self.cut_at))
+                        writer.write(data[:keep])
+                        await writer.drain()
+                        self.cut.set()
+                        for each in writers:
+                            each.transport.abort()
+                        return
+                writer.write(data)
+                await writer.drain()
+        for each in writers:
+            each.transport.abort()
+
+
+@pytest.fixture
+async def fake_server(
+    aiohttp_server: AiohttpServer, fake_settings: Settings, fake: FakeJobManager
+) -> TestServer:
+    return await aiohttp_server(create_app(fake_settings, backend=fake.backend()))
+
+
+def url_of(server: TestServer) -> str:
+    return str(server.make_url("")).rstrip("/")
+
+
+async def running_fake_job(server: TestServer, fake: FakeJobManager, job_id: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        response = await session.post(
+            f"{url_of(server)}/api/jobs/", json={"entrypoint": "x", "submission_id": job_id}
+        )
+        assert response.status == 200, await response.text()
+    fake.start(job_id)
+
+
+async def test_client_commands_import_neither_ray_nor_the_server(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-X",
+        "importtime",
+        "-m",
+        "jobs_server",
+        "list",
+        "--url",
+        url_of(fake_server),
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await process.communicate()
+    assert process.returncode == 0, stderr.decode()
+    assert b"j1" in stdout
+    imported = {
+        line.split("|")[-1].strip()
+        for line in stderr.decode().splitlines()
+        if line.startswith("import time:")
+    }
+    assert "jobs_server.client.commands" in imported  # the check sees the client's imports
+    forbidden = {
+        name
+        for name in imported
+        if name.split(".")[0] in {"ray", "pydantic", "pydantic_settings"}
+        or name.startswith(("jobs_server.manager", "jobs_server.app", "jobs_server.routes"))
+    }
+    assert forbidden == set()
+
+
+async def test_bare_command_says_to_try_serve_and_lists_the_commands() -> None:
+    code, _, stderr = await run_cli()
+    assert code == 2
+    assert "jobs-server serve" in stderr
+    for command in ("serve", "submit", "logs", "list", "status", "stop", "delete"):
+        assert f"    {command}" in stderr
+
+
+async def test_follow_resumes_after_a_dropped_connection_without_gap_or_duplicate(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"one\n")
+    # Cut inside the event that carries "two": the client gets half an event, then nothing.
+    proxy = DroppingProxy(fake_server.port or 0, cut_at=b'data: "tw')
+    url = await proxy.start()
+    try:
+        cli = await start_cli("logs", "-f", "j1", "--url", url)
+        await cli.read_until(b"one\n")
+        fake.write_log("j1", b"two\n")
+        await asyncio.wait_for(proxy.cut.wait(), 30)
+        fake.write_log("j1", "three \N{SNOWMAN}\n".encode())
+        await cli.read_until(b"three")
+        fake.finish("j1", exit_code=3)
+        code, stdout, stderr = await cli.finish()
+    finally:
+        await proxy.close()
+    assert stdout == "one\ntwo\nthree \N{SNOWMAN}\n".encode()
+    assert code == 3
+    assert "resuming the log at byte 4" in stderr
+    assert len(proxy.request_heads) == 2
+    assert b"last-event-id: 4\r\n" in proxy.request_heads[1].lower()
+
+
+async def test_follow_gives_up_when_the_job_is_deleted(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"one\n")
+    cli = await start_cli("logs", "-f", "j1", "--url", url_of(fake_server))
+    await cli.read_until(b"one\n")
+    fake.finish("j1")
+    await fake.delete_job("j1")
+    code, _, stderr = await cli.finish()
+    # Either the stream ended with the job (0), or the resume found it gone (1, said why).
+    assert code in (0, 1)
+    assert code == 0 or "Job j1 does not exist" in stderr
+
+
+async def test_ctrl_c_with_stop_on_interrupt_stops_the_job_and_exits_130(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"started\n")
+    cli = await start_cli("logs", "-f", "--stop-on-interrupt", "j1", "--url", url_of(fake_server))
+    await cli.read_until(b"started\n")
+    cli.process.send_signal(signal.SIGINT)
+    code, _, stderr = await cli.finish()
+    assert code == 130, stderr
+    assert fake.stop_requests == [("j1", None)]
+    assert (await fake.get_job("j1")).status == "STOPPED"
+
+
+async def test_ctrl_c_without_a_terminal_leaves_the_job_running(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"started\n")
+    cli = await start_cli("logs", "-f", "j1", "--url", url_of(fake_server))
+    await cli.read_until(b"started\n")
+    cli.process.send_signal(signal.SIGINT)
+    code, _, stderr = await cli.finish()
+    assert code == 130
+    assert "j1 keeps running" in stderr
+    assert fake.stop_requests == []
+    assert (await fake.get_job("j1")).status == "RUNNING"
+
+
+@pytest.mark.parametrize(("answer", "stopped"), [(b"y\n", True), (b"\n", False)])
+async def test_ctrl_c_on_a_terminal_asks_whether_to_stop(
+    fake_server: TestServer, fake: FakeJobManager, answer: bytes, stopped: bool
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"started\n")
+    controller, terminal = pty.openpty()
+    attributes = termios.tcgetattr(terminal)
+    attributes[3] &= ~termios.ECHO  # what we type is not read back as the prompt's output
+    termios.tcsetattr(terminal, termios.TCSANOW, attributes)
+    try:
+        cli = await start_cli(
+            "logs", "-f", "j1", "--url", url_of(fake_server), stdin=terminal, stderr=terminal
+        )
+        os.close(terminal)
+        await cli.read_until(b"started\n")
+        cli.process.send_signal(signal.SIGINT)
+        prompt = b""
+        async with asyncio.timeout(30):
+            while b"[y/N]" not in prompt:
+                prompt += await asyncio.to_thread(os.read, controller, 1024)
+        assert b"Stop job j1?" in prompt
+        os.write(controller, answer)
+        code, _, _ = await cli.finish()
+    finally:
+        os.close(controller)
+    assert code == 130
+    assert fake.stop_requests == ([("j1", None)] if stopped else [])
+
+
+async def test_server_errors_print_its_message_and_exit_1(fake_server: TestServer) -> None:
+    for args in (["status", "nope"], ["logs", "nope"], ["stop", "nope"], ["delete", "nope"]):
+        code, _, stderr = await run_cli(*args, "--url", url_of(fake_server))
+        assert code == 1, args
+        assert stderr == "jobs-server: Job nope does not exist (HTTP 404, job_not_found)\n"
+    code, _, stderr = await run_cli("list", "--status", "BOGUS", "--url", url_of(fake_server))
+    assert code == 1
+    assert "status: expected statuses among" in stderr
+
+
+async def test_delete_of_a_running_job_says_why_it_cannot(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    code, _, stderr = await run_cli("delete", "j1", "--url", url_of(fake_server))
+    assert code == 1
+    assert "non-terminal state RUNNING" in stderr
+    assert "HTTP 409" in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["submit", "--metadata", "no-equals", "--", "true"], "expected KEY=VALUE"),
+        (["submit", "--env", "=x", "--", "true"], "expected KEY=VALUE"),
+        (["submit", "--working-dir", "./project", "--", "true"], "expected a URL"),
+        (["submit", "--wait", "--follow", "--", "true"], "not allowed with"),
+        (["submit"], "CMD"),
+        (["logs"], "ID"),
+        (["list", "--url", "127.0.0.1:8266"], "expected http://HOST:PORT"),
+    ],
+)
+async def test_usage_errors_exit_2_saying_why(args: list[str], says: str) -> None:
+    code, _, stderr = await run_cli(*args)
+    assert code == 2
+    assert says in stderr
+
+
+async def test_an_unreachable_server_is_named(unused_tcp_port: int) -> None:
+    code, _, stderr = await run_cli(
+        "list", env={"JOBS_SERVER_URL": f"http://127.0.0.1:{unused_tcp_port}"}
+    )
+    assert code == 1
+    assert f"cannot reach http://127.0.0.1:{unused_tcp_port}" in stderr
+
+
+@pytest.fixture
+async def token_server(
+    aiohttp_server: AiohttpServer, fake_settings: Settings, fake: FakeJobManager
+) -> TestServer:
+    secured = fake_settings.model_copy(update={"auth_token": SecretStr(TOKEN)})
+    return await aiohttp_server(create_app(secured, backend=fake.backend()))
+
+
+async def test_the_key_comes_from_the_environment_or_a_file(
+    token_server: TestServer, fake: FakeJobManager, tmp_path: Path
+) -> None:
+    url = url_of(token_server)
+    code, _, stderr = await run_cli("list", "--url", url)
+    assert (code, "HTTP 401, unauthorized" in stderr) == (1, True)
+    code, _, stderr = await run_cli("list", "--url", url, env={"JOBS_SERVER_AUTH_TOKEN": "wrong"})
+    assert (code, "HTTP 403, forbidden" in stderr) == (1, True)
+    code, stdout, _ = await run_cli(
+        "submit", "--submission-id", "k1", "--url", url, "--", "echo", "hi",
+        env={"JOBS_SERVER_AUTH_TOKEN": TOKEN},
+    )  # fmt: skip
+    assert (code, stdout) == (0, b"k1\n")
+    token_file = tmp_path / "token"
+    token_file.write_text(f"{TOKEN}\n")
+    code, stdout, _ = await run_cli("status", "k1", "--url", url, "--token-file", str(token_file))
+    assert code == 0
+    assert b"status:        PENDING" in stdout
+    assert b"entrypoint:    echo hi" in stdout
+
+
+async def test_submit_sends_the_options_as_the_job(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    code, stdout, stderr = await run_cli(
+        "submit", "--url", url_of(fake_server), "--submission-id", "s1",
+        "--metadata", "owner=me", "--metadata", "team=a=b", "--env", "X=1",
+        "--working-dir", "https://example.com/project.zip", "--", "echo $X;", "ls", "-la",
+    )  # fmt: skip
+    assert (code, stdout) == (0, b"s1\n"), stderr
+    job = await fake.get_job("s1")
+    assert job.spec.entrypoint == "echo $X; ls -la"
+    assert job.spec.metadata == {"owner": "me", "team": "a=b"}
+    assert job.spec.runtime_env == {
+        "env_vars": {"X": "1"},
+        "working_dir": "https://example.com/project.zip",
+    }
+
+
+async def test_list_and_status_print_tables_and_json(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    url = url_of(fake_server)
+    await running_fake_job(fake_server, fake, "first")
+    await running_fake_job(fake_server, fake, "second")
+    fake.finish("first", exit_code=2)
+    code, stdout, _ = await run_cli("list", "--url", url)
+    lines = stdout.decode().splitlines()
+    assert code == 0
+    assert lines[0].split() == ["SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "ENTRYPOINT"]
+    assert [line.split()[:2] for line in lines[1:]] == [["first", "FAILED"], ["second", "RUNNING"]]
+    code, stdout, _ = await run_cli("list", "--status", "RUNNING", "--json", "--url", url)
+    assert [job["submission_id"] for job in json.loads(stdout)] == ["second"]
+    code, stdout, _ = await run_cli("status", "first", "--url", url)
+    assert b"exit_code:     2" in stdout
+
+
+@pytest.mark.parametrize(
+    ("job", "code"),
+    [
+        ({"status": "SUCCEEDED", "driver_exit_code": 0}, 0),
+        ({"status": "FAILED", "driver_exit_code": 3}, 3),
+        ({"status": "FAILED", "driver_exit_code": None}, 1),  # e.g. its runtime env failed
+        ({"status": "FAILED", "driver_exit_code": -9}, 137),  # killed by SIGKILL
+        ({"status": "STOPPED", "driver_exit_code": -15}, 130),
+        ({"status": "STOPPED", "driver_exit_code": None}, 130),  # stopped while PENDING
+    ],
+)
+def test_exit_code_of_a_job(job: dict[str, Any], code: int) -> None:
+    assert exit_code_of(job) == code
+
+
+async def test_sse_events_are_whole_however_the_bytes_are_split() -> None:
+    stream = (
+        b': ping\r\n\r\nid: 4\r\ndata: "one\\n"\r\n\r\n'
+        b'data: a\ndata: b\nid: 9\n\nevent: end\r\ndata: {"status": "SUCCEEDED"}\r\n\r\n'
+        b'data: "cut'
+    )
+    expected = [
+        Event("message", '"one\\n"', "4"),
+        Event("message", "a\nb", "9"),
+        Event("end", '{"status": "SUCCEEDED"}', "9"),
+    ]
+
+    async def split(at: int, again: int) -> AsyncIterator[bytes]:
+        for part in (stream[:at], stream[at:again], stream[again:]):
+            yield part
+
+    for at in range(len(stream) + 1):
+        for again in range(at, len(stream) + 1, 7):
+            assert [event async for event in read_events(split(at, again))] == expected
+
+
+# Real jobs on the real server.
+
+
+async def test_submit_follow_prints_a_real_job_and_exits_with_its_code(server_url: str) -> None:
+    code, stdout, stderr = await run_cli(
+        "submit", "--follow", "--url", server_url, "--env", "WHO=client", "--",
+        "for i in 1 2 3; do echo line $i $WHO; sleep 0.2; done; exit 3",
+    )  # fmt: skip
+    assert stdout == b"line 1 client\nline 2 client\nline 3 client\n"
+    assert code == 3, stderr
+    assert stderr.startswith("jobs-server: submitted ")
+
+
+async def test_submit_wait_and_stop_a_real_job(server_url: str) -> None:
+    job_id = f"client-{os.getpid()}-{id(server_url)}"
+    waiting = await start_cli(
+        "submit", "--wait", "--submission-id", job_id, "--url", server_url, "--",
+        "echo started; sleep 300",
+    )  # fmt: skip
+    await waiting.read_until(f"{job_id}\n".encode())
+    follower = await start_cli("logs", "-f", job_id, "--url", server_url)
+    await follower.read_until(b"started\n")
+    code, stdout, _ = await run_cli("stop", job_id, "--url", server_url)
+    assert (code, stdout) == (0, f"stopping {job_id}\n".encode())
+    code, stdout, _ = await follower.finish()
+    assert (code, stdout) == (130, b"started\n")
+    code, _, stderr = await waiting.finish()
+    assert code == 130
+    assert f"{job_id} STOPPED" in stderr
+    code, stdout, _ = await run_cli("delete", job_id, "--url", server_url)
+    assert (code, stdout) == (0, f"deleted {job_id}\n".encode())
