@@ -1,0 +1,142 @@
+"""The README's shell examples run top to bottom, as a newcomer would paste them.
+
+Every ```sh block runs, in the README's order, against a real server on a free loopback port
+(real Ray), from a directory where `.venv/bin` is this test's virtualenv, as after the README's
+install command. The only change to the text: the server's default URL,
+`http://127.0.0.1:8266`, becomes the test server's (and `JOBS_SERVER_URL` says the same, for
+the terminal client). A block is left out only when the line before its fence says so:
+
+    <!-- readme-test: skip, REASON -->
+
+(for blocks that install, start servers or clusters, or run the test suite itself). A block
+passes when it exits 0 (`bash -e -o pipefail`) and no answer in its output is an error.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    free_port,
+    kill_actors_in_namespace,
+    start_jobs_server,
+    stop_process_group,
+    wait_for_server,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+DEFAULT_URL = "http://127.0.0.1:8266"
+SKIP_MARKER = re.compile(r"^<!-- readme-test: skip, (?P<reason>.+) -->$")
+BLOCK_TIMEOUT_S = 300
+# How the server's JSON errors look; no example may get one.
+ERROR_ANSWER = re.compile(r'\{"error": ?\{"code"')
+
+
+@dataclass(frozen=True)
+class ShellBlock:
+    line: int  # of the opening fence, 1-based
+    code: str
+    skip_reason: str | None
+
+
+def shell_blocks(markdown: str) -> list[ShellBlock]:
+    """The ```sh blocks of `markdown` in order, each with the skip marker's reason, if any."""
+    blocks, lines = [], markdown.splitlines()
+    index = 0
+    while index < len(lines):
+        if lines[index].strip() == "```sh":
+            start = index
+            index += 1
+            body = []
+            while lines[index].strip() != "```":
+                body.append(lines[index])
+                index += 1
+            marker = SKIP_MARKER.match(lines[start - 1].strip()) if start else None
+            reason = marker.group("reason") if marker else None
+            blocks.append(ShellBlock(start + 1, "\n".join(body) + "\n", reason))
+        index += 1
+    return blocks
+
+
+def test_shell_blocks_are_found_with_their_markers() -> None:
+    text = (
+        "```sh\necho a\n```\n"
+        "<!-- readme-test: skip, starts a server -->\n```sh\nserve\n```\n"
+        "```python\nprint()\n```\n```sh\necho b\n```\n"
+    )
+    assert shell_blocks(text) == [
+        ShellBlock(1, "echo a\n", None),
+        ShellBlock(5, "serve\n", "starts a server"),
+        ShellBlock(11, "echo b\n", None),
+    ]
+
+
+@pytest.fixture
+def readme_server(ray_connection: str, tmp_path: Path) -> Iterator[str]:
+    """A server of the README's own (its namespace), so its `demo-*` ids meet no other test's."""
+    port, namespace = free_port(), f"test_readme_{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path / "server.log"
+    process = start_jobs_server(
+        [
+            "--port",
+            str(port),
+            "--ray-address",
+            ray_connection,
+            "--log-dir",
+            str(tmp_path / "logs"),
+            "--namespace",
+            namespace,
+        ],
+        log_path,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, process, log_path)
+        yield url
+    finally:
+        stop_process_group(process)
+        kill_actors_in_namespace(namespace)
+
+
+def test_readme_shell_examples_run_in_order(readme_server: str, tmp_path: Path) -> None:
+    blocks = shell_blocks(README.read_text())
+    runnable = [block for block in blocks if block.skip_reason is None]
+    # The README's Use it, Logs and terminal client blocks at least.
+    assert len(runnable) >= 3
+    assert all(DEFAULT_URL in block.code for block in runnable)
+    workdir = tmp_path / "newcomer"
+    (workdir / ".venv").mkdir(parents=True)
+    (workdir / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("JOBS_SERVER_") and name != "RAY_ADDRESS"
+    }
+    # This checkout's code, whatever the virtualenv's editable install points at.
+    environment["PYTHONPATH"] = str(ROOT)
+    environment["JOBS_SERVER_URL"] = readme_server
+    for block in runnable:
+        code = block.code.replace(DEFAULT_URL, readme_server)
+        result = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", code],
+            cwd=workdir,
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=BLOCK_TIMEOUT_S,
+            check=False,
+        )
+        output = result.stdout + result.stderr
+        where = f"README.md line {block.line}:\n{code}\n--- output ---\n{output}"
+        assert result.returncode == 0, where
+        assert not ERROR_ANSWER.search(output), where
