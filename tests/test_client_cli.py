@@ -481,3 +481,20 @@ async def test_submit_wait_and_stop_a_real_job(server_url: str) -> None:
     assert f"{job_id} STOPPED" in stderr
     code, stdout, _ = await run_cli("delete", job_id, "--url", server_url)
     assert (code, stdout) == (0, f"deleted {job_id}\n".encode())
+
+
+async def test_a_log_piped_into_head_ends_quietly(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    await running_fake_job(fake_server, fake, "j1")
+    fake.write_log("j1", b"x" * 1_000_000 + b"\n")
+    command = " ".join([*CLIENT, "logs", "j1", "--url", url_of(fake_server), "| head -c 10"])
+    process = await asyncio.create_subprocess_exec(
+        "bash", "-o", "pipefail", "-c", command,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await process.communicate()
+    assert stdout == b"x" * 10
+    assert stderr == b""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -24,6 +25,7 @@ from jobs_server.client.output import print_job, print_job_table, print_json
 
 Handler = Callable[[JobsClient, argparse.Namespace], Awaitable[int]]
 USAGE_EXIT_CODE = 2
+INTERRUPTED_EXIT_CODE = 130
 
 
 def add_client_commands(commands: Any) -> None:
@@ -136,6 +138,12 @@ def run_client_command(args: argparse.Namespace) -> int:
         return USAGE_EXIT_CODE
     except ClientError as error:
         print(f"jobs-server: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C outside a follow: nothing to ask about
+        return INTERRUPTED_EXIT_CODE
+    except BrokenPipeError:  # `jobs-server logs ID | head`: the reader has all it wants
+        # Python would complain again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 
