@@ -127,15 +127,22 @@ def test_readme_shell_examples_run_in_order(readme_server: str, tmp_path: Path) 
     environment["JOBS_SERVER_URL"] = readme_server
     for block in runnable:
         code = block.code.replace(DEFAULT_URL, readme_server)
-        result = subprocess.run(
-            ["bash", "-e", "-o", "pipefail", "-c", code],
-            cwd=workdir,
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=BLOCK_TIMEOUT_S,
-            check=False,
-        )
+        try:
+            result = subprocess.run(
+                ["bash", "-e", "-o", "pipefail", "-c", code],
+                cwd=workdir,
+                env=environment,
+                capture_output=True,
+                text=True,
+                timeout=BLOCK_TIMEOUT_S,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            pytest.fail(
+                f"README.md line {block.line} still ran after {BLOCK_TIMEOUT_S} s: an example"
+                " must end by itself (`curl --max-time`), or be marked"
+                " `<!-- readme-test: skip, REASON -->` if it starts a server"
+            )
         output = result.stdout + result.stderr
         where = f"README.md line {block.line}:\n{code}\n--- output ---\n{output}"
         assert result.returncode == 0, where
