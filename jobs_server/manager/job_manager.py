@@ -37,7 +37,8 @@ from jobs_server.manager.recovery import Recovery
 from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
-from jobs_server.manager.watcher import SUPERVISOR_UNAVAILABLE_RETRY_S, JobWatchers
+from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
+from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
 
