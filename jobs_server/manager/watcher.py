@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray.exceptions import (
     ActorDiedError,
-    ActorUnavailableError,
     ActorUnschedulableError,
     RuntimeEnvSetupError,
 )
@@ -27,7 +25,7 @@ from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.log_shipping import pull_log_from_supervisor
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.runtime_env_failures import describe_setup_failure, strip_ansi
+from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import first_line, while_unreachable
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
