@@ -27,6 +27,10 @@ Client = TestClient[Any, Any]
 
 STOPPED_JOBS = 100
 NEVER_FINISHES = "sleep 60; echo finished"
+# The same with more processes to signal: signalled one by one (in no set order), the shell's
+# foreground child often dies while many others are still to be signalled, and the shell
+# then has all that time to run its next command.
+MANY_THEN_FINISHES = "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 60 & done; sleep 60; echo finished"
 IGNORES_SIGTERM = "trap '' TERM; echo ready; sleep 1000"
 # Stopped at once, it writes nothing; stopped later, "a" at most: "b" means it ran on.
 SLEEPY = "echo a; sleep 1; echo b"
@@ -110,7 +114,7 @@ async def test_nothing_of_a_job_stopped_right_after_submit_runs_after_the_stop(
 
 async def test_a_stopped_shell_runs_no_further_command(client: Client) -> None:
     job_ids = await asyncio.gather(
-        *(submit(client, entrypoint=NEVER_FINISHES) for _ in range(STOPPED_JOBS))
+        *(submit(client, entrypoint=MANY_THEN_FINISHES) for _ in range(STOPPED_JOBS))
     )
     for job_id in job_ids:
         await wait_for_status(client, job_id, {"RUNNING"})
@@ -135,7 +139,7 @@ async def test_a_stop_reaches_the_shell_and_its_child_at_once(
     for index in range(20):
         log_path = tmp_path / f"{index}.log"
         process = await start_entrypoint(
-            NEVER_FINISHES,
+            MANY_THEN_FINISHES,
             log_path=log_path,
             env={**os.environ, "JOBS_SERVER_JOB_TOKEN": f"{token}-{index}"},
             containment=containment,

@@ -53,6 +53,9 @@ STOP_UNREACHABLE_WAIT_S = 5.0
 # How long a stop of a PENDING job waits for its supervisor to call it off (a supervisor of the
 # job's own may not be up yet: then the server records the end and kills the actor).
 CALL_OFF_WAIT_S = 2.0
+# A shared supervisor is up, only maybe busy: the server waits longer rather than record a
+# "stopped before it started" that the supervisor may have made untrue meanwhile.
+SHARED_CALL_OFF_WAIT_S = 30.0
 _SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -218,10 +221,11 @@ class JobManager:
     async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
         """Have the supervisor call off a job it may be starting; True once it has recorded
         the end and nothing of the job runs, False if it did not answer in time."""
+        name = record.supervisor_name or ""
         try:
             await asyncio.wait_for(
                 supervisor.call_off.remote(record.submission_id, record.run_id),
-                timeout=CALL_OFF_WAIT_S,
+                timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S,
             )
             return True
         except (ActorDiedError, ActorUnavailableError, TimeoutError):

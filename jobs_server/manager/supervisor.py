@@ -38,6 +38,7 @@ from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chu
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
     become_child_subreaper,
+    has_exited,
     kill_job_processes,
     reap_orphans,
     start_entrypoint,
@@ -332,9 +333,11 @@ class JobSupervisor:
             {exited, stop_requested}, timeout=job.timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         stop_requested.cancel()
-        if exited.done():
+        if exited.done() or has_exited(process):
+            # It ended on its own, if only just before the stop: its end is its exit's.
+            exit_code = await exited
             run.exited.set()
-            return CommandEnd(exit_code=exited.result(), stopped=False)
+            return CommandEnd(exit_code=exit_code, stopped=False)
         exit_code = await stop_job_processes(
             process,
             job_token=job_token,
