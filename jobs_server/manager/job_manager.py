@@ -222,14 +222,22 @@ class JobManager:
         """Have the supervisor call off a job it may be starting; True once it has recorded
         the end and nothing of the job runs, False if it did not answer in time."""
         name = record.supervisor_name or ""
-        try:
-            await asyncio.wait_for(
-                supervisor.call_off.remote(record.submission_id, record.run_id),
-                timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S,
-            )
-            return True
-        except (ActorDiedError, ActorUnavailableError, TimeoutError):
+        # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
+        # it ends with its actor, and its outcome is then read and dropped.
+        call = asyncio.ensure_future(
+            supervisor.call_off.remote(record.submission_id, record.run_id)
+        )
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        answered, _ = await asyncio.wait(
+            {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S
+        )
+        if not answered:
             return False
+        try:
+            call.result()
+        except (ActorDiedError, ActorUnavailableError):
+            return False
+        return True
 
     async def _ask_to_stop(
         self, record: JobRecord, supervisor: Any, grace_period_s: float | None
