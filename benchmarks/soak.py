@@ -732,6 +732,8 @@ def expected_error(job: Job, details: dict[str, Any], log: str | None) -> str | 
         right = status == "FAILED" and exit_code == 3 and log == job.expected_log
         return None if right else f"expected FAILED exit 3 with its log, got {said}"
     if job.stop_sent and status == "STOPPED":
+        if "before it started" in (details.get("message") or "") and log:
+            return f"said to have never started, yet wrote: {said}"
         # Stopped in its sleep: its first line at most, nothing after the stop.
         return None if log in ("", job.expected_log.split("\n")[0] + "\n") else f"stopped, {said}"
     if status != "SUCCEEDED" or log != job.expected_log:

@@ -18,6 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.job_run import SUBMISSION_ID_ENV_VAR
 from jobs_server.manager.process import signal_job_processes, start_entrypoint
 from jobs_server.settings import Settings
 from tests.conftest import job_logs, submit, wait_for_status
@@ -26,7 +27,17 @@ Client = TestClient[Any, Any]
 
 STOPPED_JOBS = 100
 NEVER_FINISHES = "sleep 60; echo finished"
+# The same with more processes to signal: signalled one by one (in no set order), the shell's
+# foreground child often dies while many others are still to be signalled, and the shell
+# then has all that time to run its next command.
+MANY_THEN_FINISHES = "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 60 & done; sleep 60; echo finished"
 IGNORES_SIGTERM = "trap '' TERM; echo ready; sleep 1000"
+# Stopped at once, it writes nothing; stopped later, "a" at most: "b" means it ran on.
+SLEEPY = "echo a; sleep 1; echo b"
+STOP_RACES = 120
+STOP_RACE_BATCH = 40
+# What a job that ran on after its stop needs to show it: the rest of its sleep, and more.
+SURVIVOR_SHOWS_S = 1.5
 
 
 async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float = 60) -> None:
@@ -37,9 +48,73 @@ async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float 
         await asyncio.sleep(0.05)
 
 
+def job_processes(job_id: str) -> list[int]:
+    """The live processes of the job, on the whole node: each carries its submission id in
+    its environment (the launcher of its PID namespace too)."""
+    marker = f"{SUBMISSION_ID_ENV_VAR}={job_id}".encode()
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as environ:
+                if marker not in environ.read().split(b"\0"):
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as stat:
+                if stat.read().rpartition(b")")[2].split()[0] == b"Z":
+                    continue  # ended, not yet reaped
+        except (OSError, IndexError):
+            continue
+        found.append(int(name))
+    return found
+
+
+async def _stop_right_after_submit(client: Client, index: int) -> dict[str, Any]:
+    job_id = await submit(client, entrypoint=SLEEPY)
+    # Spread over the command's start: before it, while the launcher starts it, while the
+    # supervisor writes RUNNING, and after.
+    await asyncio.sleep((index % 20) * 0.015)
+    response = await client.post(f"/api/jobs/{job_id}/stop")
+    assert response.status == 200, await response.text()
+    job = await wait_for_status(client, job_id, timeout_s=120, poll_s=0.01)
+    # The stop has answered and the job has ended: nothing of it may run now.
+    return {"id": job_id, "job": job, "alive_after_stop": job_processes(job_id)}
+
+
+async def test_nothing_of_a_job_stopped_right_after_submit_runs_after_the_stop(
+    client: Client,
+) -> None:
+    """A stop that meets the command as it starts (the server read PENDING, the supervisor
+    has started it and not yet written RUNNING): once the stop has answered and the job is
+    STOPPED, none of its processes is alive, it never writes again, and "stopped before it
+    started" is said only of a job that wrote nothing."""
+    results: list[dict[str, Any]] = []
+    for batch in range(STOP_RACES // STOP_RACE_BATCH):
+        results += await asyncio.gather(
+            *(
+                _stop_right_after_submit(client, batch * STOP_RACE_BATCH + index)
+                for index in range(STOP_RACE_BATCH)
+            )
+        )
+    await asyncio.sleep(SURVIVOR_SHOWS_S)
+    wrong = []
+    for result in results:
+        job, log = result["job"], await job_logs(client, result["id"])
+        result["log"] = log
+        if (
+            job["status"] not in {"STOPPED", "SUCCEEDED"}
+            or (job["status"] == "STOPPED" and ("b" in log or result["alive_after_stop"]))
+            or ("before it started" in job["message"] and log)
+            or job_processes(result["id"])
+        ):
+            wrong.append((result["id"], job["status"], job["message"], log, result))
+    statuses = sorted(result["job"]["status"] for result in results)
+    assert not wrong, f"{len(wrong)} of {len(results)} wrong ({statuses}): {wrong[:5]}"
+
+
 async def test_a_stopped_shell_runs_no_further_command(client: Client) -> None:
     job_ids = await asyncio.gather(
-        *(submit(client, entrypoint=NEVER_FINISHES) for _ in range(STOPPED_JOBS))
+        *(submit(client, entrypoint=MANY_THEN_FINISHES) for _ in range(STOPPED_JOBS))
     )
     for job_id in job_ids:
         await wait_for_status(client, job_id, {"RUNNING"})
@@ -64,7 +139,7 @@ async def test_a_stop_reaches_the_shell_and_its_child_at_once(
     for index in range(20):
         log_path = tmp_path / f"{index}.log"
         process = await start_entrypoint(
-            NEVER_FINISHES,
+            MANY_THEN_FINISHES,
             log_path=log_path,
             env={**os.environ, "JOBS_SERVER_JOB_TOKEN": f"{token}-{index}"},
             containment=containment,

@@ -28,6 +28,7 @@ from jobs_server.errors import (
     SupervisorUnreachableError,
 )
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
@@ -36,8 +37,9 @@ from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_i
 from jobs_server.manager.recovery import Recovery
 from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
-from jobs_server.manager.watcher import SUPERVISOR_UNAVAILABLE_RETRY_S, JobWatchers
+from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,12 @@ cloudpickle.register_pickle_by_value(jobs_server)
 SUBMISSION_ID_PREFIX = "raysubmit_"
 # How long a stop request waits for an unreachable supervisor before answering 503.
 STOP_UNREACHABLE_WAIT_S = 5.0
+# How long a stop of a PENDING job waits for its supervisor to call it off (a supervisor of the
+# job's own may not be up yet: then the server records the end and kills the actor).
+CALL_OFF_WAIT_S = 2.0
+# A shared supervisor is up, only maybe busy: the server waits longer rather than record a
+# "stopped before it started" that the supervisor may have made untrue meanwhile.
+SHARED_CALL_OFF_WAIT_S = 30.0
 _SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
 
 
@@ -189,19 +197,46 @@ class JobManager:
         if record.status is JobStatus.RUNNING and supervisor is not None:
             await self._ask_to_stop(record, supervisor, grace_period_s)
             return True
-        # The command has not started: it never will. A supervisor that is starting it right
-        # now finds the record terminal and stops it.
-        # Compare-and-set: if the job ended (or started and was stopped) first, that stays.
+        # PENDING here, but the command may have started since: only its supervisor knows. It
+        # calls the job off (the command never starts) or stops it, and answers once nothing
+        # of the job runs.
+        if supervisor is not None and await self._call_off(record, supervisor):
+            return True
+        # No supervisor answered (its own one is not up yet, or it is gone): the command has
+        # not started. Compare-and-set: if the job ended (or started and was stopped) first,
+        # that stays; a supervisor that starts it right now finds the record terminal and
+        # stops it.
         await self._store.update(
             submission_id,
             record.run_id,
             status=JobStatus.STOPPED,
-            message="Job was stopped before it started.",
+            message=NEVER_STARTED_MESSAGE,
         )
         if supervisor is not None and is_dedicated(name):
             await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         elif supervisor is not None:
             await supervisor.stop_job.remote(submission_id, 0)
+        return True
+
+    async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
+        """Have the supervisor call off a job it may be starting; True once it has recorded
+        the end and nothing of the job runs, False if it did not answer in time."""
+        name = record.supervisor_name or ""
+        # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
+        # it ends with its actor, and its outcome is then read and dropped.
+        call = asyncio.ensure_future(
+            supervisor.call_off.remote(record.submission_id, record.run_id)
+        )
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        answered, _ = await asyncio.wait(
+            {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S
+        )
+        if not answered:
+            return False
+        try:
+            call.result()
+        except (ActorDiedError, ActorUnavailableError):
+            return False
         return True
 
     async def _ask_to_stop(

@@ -25,6 +25,7 @@ from jobs_server.manager.records import JobStatus
 RAY_JOB_CONFIG_ENV_VAR = "RAY_JOB_CONFIG_JSON_ENV_VAR"
 SUBMISSION_ID_ENV_VAR = "JOBS_SERVER_SUBMISSION_ID"
 JOB_TIMEOUT_ERROR_TYPE = "JOB_TIMEOUT"
+NEVER_STARTED_MESSAGE = "Job was stopped before it started."
 
 
 class SupervisedJob(BaseModel):
@@ -61,6 +62,18 @@ class JobRun:
     """Set by the first stop (or the timeout); a later stop may bring it forward."""
     task: asyncio.Task[JobStatus] | None = None
     pid: int | None = None
+    start_began: bool = False
+    """The command is being started, or was: from then on, calling the job off stops it."""
+    called_off: bool = False
+    """Stopped before its start began: the command never starts."""
+
+
+@dataclass(frozen=True)
+class CommandEnd:
+    """How a command ended: on its own, or stopped (by a stop, or by its timeout)."""
+
+    exit_code: int
+    stopped: bool
 
 
 def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dict[str, str]:

@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from ray.exceptions import ActorDiedError
 
 from jobs_server.manager.logs import log_size, read_log_chunks
+from jobs_server.manager.supervisor_calls import first_line, while_unreachable
+
+logger = logging.getLogger(__name__)
 
 # One pull's most bytes: large enough that a burst of many MB crosses in few actor calls.
 LOG_SHIP_CHUNK_BYTES = 4 * 1024 * 1024
@@ -83,6 +89,23 @@ async def pull_spooled_log(
                 return
     finally:
         log_file.close()
+
+
+async def pull_log_from_supervisor(supervisor: Any, submission_id: str, log_path: Path) -> None:
+    """Bring the log of a job on another node to the head, until all of it is here or its
+    supervisor is gone (with its node: what was pulled until then stays)."""
+
+    async def read_chunk(offset: int) -> tuple[bytes, bool]:
+        def call() -> Any:
+            return supervisor.read_spooled_log.remote(submission_id, offset)
+
+        data, complete = await while_unreachable(call(), call)
+        return data, complete
+
+    try:
+        await pull_spooled_log(read_chunk, log_path)
+    except ActorDiedError as error:
+        logger.warning("pulling the log of job %s stopped: %s", submission_id, first_line(error))
 
 
 def _open_for_append(path: Path) -> BinaryIO:

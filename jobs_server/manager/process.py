@@ -244,6 +244,17 @@ async def kill_job_processes(
         await asyncio.sleep(_KILL_ROUND_WAIT_S)
 
 
+def has_exited(process: asyncio.subprocess.Process) -> bool:
+    """Whether the command has exited, even if asyncio has not collected its status yet
+    (without collecting it: asyncio still does)."""
+    if process.returncode is not None:
+        return True
+    try:
+        return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True  # collected meanwhile
+
+
 def reap_orphans(keep: set[int]) -> None:
     """Collect exited orphans re-parented to this subreaper, except `keep` (awaited elsewhere)."""
     for child in _own_children():

@@ -25,6 +25,8 @@ from jobs_server.manager.containment import Containment, detect_containment
 from jobs_server.manager.guardian import start_guardian
 from jobs_server.manager.job_run import (
     JOB_TIMEOUT_ERROR_TYPE,
+    NEVER_STARTED_MESSAGE,
+    CommandEnd,
     JobRun,
     SupervisedJob,
     driver_env,
@@ -35,8 +37,8 @@ from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
 from jobs_server.manager.logs import read_log_tail
 from jobs_server.manager.process import (
-    StopDeadline,
     become_child_subreaper,
+    has_exited,
     kill_job_processes,
     reap_orphans,
     start_entrypoint,
@@ -59,6 +61,8 @@ class JobSupervisor:
         # Jobs someone waits for that `run_job` has not brought yet: an async actor need not
         # run one caller's calls in the order they were made.
         self._arrivals: dict[str, asyncio.Event] = {}
+        # Runs called off before `run_job` brought them (submission id: run id): never started.
+        self._called_off: dict[str, str] = {}
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
         self._containment: Containment | None = None
@@ -92,6 +96,7 @@ class JobSupervisor:
             run = self._runs.get(job.submission_id)
         if run is None:
             run = JobRun(job=job, log_path=self._log_path_here(job))
+            run.called_off = self._called_off.pop(job.submission_id, None) == job.run_id
             self._runs[job.submission_id] = run
             run.task = asyncio.create_task(self._run(run))
             run.task.add_done_callback(functools.partial(self._forget_run, run))
@@ -158,6 +163,33 @@ class JobSupervisor:
         run.stop_requested.set()
         return True
 
+    async def call_off(self, submission_id: str, run_id: str) -> JobStatus:
+        """Stop a job the server saw PENDING, and return its terminal status once nothing of it
+        runs. Only this supervisor knows whether the command has started: if not, it never
+        will (and the job is STOPPED before it started); if it has, it is stopped at once, and
+        ends as any stopped job (or as it ended, if it ended first)."""
+        run = self._runs.get(submission_id)
+        if run is None or run.job.run_id != run_id:
+            # `run_job` has not brought it yet (or waits behind an earlier run of the id).
+            self._called_off[submission_id] = run_id
+            return (
+                await self._job_store().update(
+                    submission_id, run_id, status=JobStatus.STOPPED, message=NEVER_STARTED_MESSAGE
+                )
+            ).status
+        if not run.start_began:
+            run.called_off = True
+        else:
+            end_grace_within(run, 0)
+            run.stop_requested.set()
+        assert run.task is not None
+        exited = asyncio.ensure_future(run.exited.wait())
+        try:
+            await asyncio.wait({run.task, exited}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            exited.cancel()
+        return (await self._job_store().get(submission_id, run_id)).status
+
     def _forget_run(self, run: JobRun, _: object) -> None:
         if self._runs.get(run.job.submission_id) is run:
             del self._runs[run.job.submission_id]
@@ -191,6 +223,8 @@ class JobSupervisor:
         if record.status.is_terminal() or record.run_id != job.run_id:
             return record.status
         containment = await self._prepare_processes()
+        if not self._may_start(run):
+            return await self._record_never_started(run)
         job_token = secrets.token_hex(16)
         self._starting += 1
         if run.log_path != job.log_path:
@@ -218,6 +252,9 @@ class JobSupervisor:
             return failed.status
         finally:
             self._starting -= 1
+        # From the moment the command runs, a stop (or the timeout) acts on it at once, also
+        # while RUNNING is being written: that write may take long on a busy GCS.
+        ending = asyncio.create_task(self._run_until_end(run, process, job_token, containment))
         try:
             record = await store.update(
                 job.submission_id,
@@ -231,23 +268,37 @@ class JobSupervisor:
             )
             run.started.set()
             if record.status.is_terminal():
-                # Stopped while the command was starting: it must not run on.
-                await stop_job_processes(
-                    process,
-                    job_token=job_token,
-                    deadline=StopDeadline.after(0),
-                    containment=containment,
-                    other_roots=self._other_roots(run),
-                )
+                # Ended (by the server) while the command was starting: it must not run on.
+                end_grace_within(run, 0)
+                run.stop_requested.set()
+                await ending
                 run.exited.set()
                 return record.status
-            return (await self._wait_for_end(run, process, job_token, containment)).status
+            return (await self._record_command_end(run, await ending)).status
         finally:
+            ending.cancel()
             # Whatever the command left behind ends with it (in a PID namespace, the kernel
             # saw to it; this finds a namespace whose launcher was killed).
             await kill_job_processes(job_token, other_roots=self._other_roots(run))
             if not self._starting:
                 reap_orphans(keep=self._running_pids())
+
+    def _may_start(self, run: JobRun) -> bool:
+        """Whether the run's command may start now; if so, from now on calling the job off
+        stops the command instead (no await may come between this and the start)."""
+        if run.called_off:
+            return False
+        run.start_began = True
+        return True
+
+    async def _record_never_started(self, run: JobRun) -> JobStatus:
+        record = await self._job_store().update(
+            run.job.submission_id,
+            run.job.run_id,
+            status=JobStatus.STOPPED,
+            message=NEVER_STARTED_MESSAGE,
+        )
+        return record.status
 
     def _running_pids(self) -> set[int]:
         """Command pids that asyncio still waits for; reaping them here would steal their status."""
@@ -267,13 +318,14 @@ class JobSupervisor:
                 become_child_subreaper()
             return self._containment
 
-    async def _wait_for_end(
+    async def _run_until_end(
         self,
         run: JobRun,
         process: asyncio.subprocess.Process,
         job_token: str,
         containment: Containment,
-    ) -> JobRecord:
+    ) -> CommandEnd:
+        """Wait for the command to exit, or stop it when asked to (or at its timeout)."""
         job = run.job
         exited = asyncio.ensure_future(process.wait())
         stop_requested = asyncio.ensure_future(run.stop_requested.wait())
@@ -281,8 +333,11 @@ class JobSupervisor:
             {exited, stop_requested}, timeout=job.timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         stop_requested.cancel()
-        if exited.done():
-            return await self._record_exit(run, exited.result())
+        if exited.done() or has_exited(process):
+            # It ended on its own, if only just before the stop: its end is its exit's.
+            exit_code = await exited
+            run.exited.set()
+            return CommandEnd(exit_code=exit_code, stopped=False)
         exit_code = await stop_job_processes(
             process,
             job_token=job_token,
@@ -291,19 +346,25 @@ class JobSupervisor:
             containment=containment,
             other_roots=self._other_roots(run),
         )
+        run.exited.set()  # and everything of it: a call-off may answer
+        return CommandEnd(exit_code=exit_code, stopped=True)
+
+    async def _record_command_end(self, run: JobRun, end: CommandEnd) -> JobRecord:
+        if not end.stopped:
+            return await self._record_exit(run, end.exit_code)
         if run.stop_requested.is_set():
             return await self._record_end(
                 run,
                 status=JobStatus.STOPPED,
                 message="Job was intentionally stopped.",
-                driver_exit_code=exit_code,
+                driver_exit_code=end.exit_code,
             )
         return await self._record_end(
             run,
             status=JobStatus.FAILED,
             error_type=JOB_TIMEOUT_ERROR_TYPE,
-            message=f"Job exceeded its timeout of {job.timeout_s:g} s and was stopped.",
-            driver_exit_code=exit_code,
+            message=f"Job exceeded its timeout of {run.job.timeout_s:g} s and was stopped.",
+            driver_exit_code=end.exit_code,
         )
 
     async def _record_exit(self, run: JobRun, exit_code: int) -> JobRecord:

@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray.exceptions import (
     ActorDiedError,
-    ActorUnavailableError,
     ActorUnschedulableError,
     RuntimeEnvSetupError,
 )
@@ -24,19 +22,18 @@ from ray.exceptions import (
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
 from jobs_server.manager.launcher import Launch, Launcher
-from jobs_server.manager.log_shipping import pull_spooled_log
+from jobs_server.manager.log_shipping import pull_log_from_supervisor
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.runtime_env_failures import describe_setup_failure, strip_ansi
+from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor_calls import first_line, while_unreachable
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 
 logger = logging.getLogger(__name__)
 
 # How long a finished job's watcher waits for the last pull of its log from another node.
 LOG_PULL_FINISH_S = 10.0
-# How often a supervisor that cannot be reached is asked again, until Ray says it is dead.
-SUPERVISOR_UNAVAILABLE_RETRY_S = 1.0
 # After an unexpected error from Ray or the KV, a watcher tries again after this long, doubled
 # after each further error up to the maximum (a GCS that restarts takes seconds).
 WATCH_RETRY_INITIAL_S = 0.5
@@ -238,34 +235,20 @@ class JobWatchers:
             log_is_spooled = await started
         if not log_is_spooled:
             return None
-        return asyncio.create_task(self._pull_log(record.submission_id, supervisor))
+        return asyncio.create_task(
+            pull_log_from_supervisor(
+                supervisor, record.submission_id, job_log_path(self._log_dir, record.submission_id)
+            )
+        )
 
     async def _wait_for_end(
         self, record: JobRecord, supervisor: Any, finished: Any
     ) -> JobStatus | None:
         """Await `finished`, asking the supervisor again while it cannot be reached."""
-        status: JobStatus | None = await _while_unreachable(
+        status: JobStatus | None = await while_unreachable(
             finished, lambda: supervisor.wait_job.remote(record.submission_id, record.run_id)
         )
         return status
-
-    async def _pull_log(self, submission_id: str, supervisor: Any) -> None:
-        """Bring the log of a job on another node to the head, until all of it is here or its
-        supervisor is gone (with its node: what was pulled until then stays)."""
-
-        async def read_chunk(offset: int) -> tuple[bytes, bool]:
-            def call() -> Any:
-                return supervisor.read_spooled_log.remote(submission_id, offset)
-
-            data, complete = await _while_unreachable(call(), call)
-            return data, complete
-
-        try:
-            await pull_spooled_log(read_chunk, job_log_path(self._log_dir, submission_id))
-        except ActorDiedError as error:
-            logger.warning(
-                "pulling the log of job %s stopped: %s", submission_id, first_line(error)
-            )
 
     async def _never_started(self, record: JobRecord) -> bool:
         try:
@@ -384,22 +367,3 @@ def _start_failure(
     return JobFailure(
         JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE, f"The job cannot be scheduled: {error}"
     )
-
-
-async def _while_unreachable(first_call: Any, call_again: Callable[[], Any]) -> Any:
-    """The result of a supervisor call (`first_call`, an ObjectRef); while the supervisor cannot
-    be reached (its node may be going), `call_again` every SUPERVISOR_UNAVAILABLE_RETRY_S until
-    Ray knows it is alive (an answer) or dead (ActorDiedError)."""
-    pending = first_call
-    while True:
-        try:
-            return await pending
-        except ActorUnavailableError:
-            await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
-            pending = call_again()
-
-
-def first_line(error: BaseException) -> str:
-    """Ray's actor errors carry colour codes and tracebacks; a status message wants one line."""
-    text = strip_ansi(str(error)).strip()
-    return text.splitlines()[0] if text else type(error).__name__
