@@ -87,7 +87,8 @@ async def test_every_change_is_an_event_in_order_and_reported_after_commit(
     assert [event.id for event in events] == [1, 2, 3, 4]
     assert seen == events
     assert await archive.event_id_range() == (1, 4)
-    assert events[2].record is not None and events[2].record.end_time == 5
+    assert events[2].record is not None
+    assert events[2].record.end_time == 5
     await archive.close()
 
 
@@ -140,7 +141,8 @@ async def test_queries_filter_order_and_page(archive: Archive) -> None:
     assert await ids(JobQuery(descending=True), limit=2) == ["job-5", "job-4"]
     assert await ids(JobQuery(descending=True), after="job-4", limit=2) == ["job-3", "job-2"]
     jobs, more = await archive.page(JobQuery(), after="job-3", limit=2)
-    assert [job.submission_id for job in jobs] == ["job-4", "job-5"] and not more
+    assert [job.submission_id for job in jobs] == ["job-4", "job-5"]
+    assert not more
     _, more = await archive.page(JobQuery(), limit=2)
     assert more
     with pytest.raises(UnknownCursorError):
