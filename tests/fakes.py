@@ -10,6 +10,7 @@ stays PENDING until the test moves it on (`start`, `write_log`, `finish`).
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,9 @@ class FakeJobManager:
             )
             and all(record.spec.metadata.get(key) == value for key, value in query.metadata)
         ]
+
+    async def count_by_status(self) -> dict[JobStatus, int]:
+        return dict(Counter(record.status for record in self._records.values()))
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         record = self._get(submission_id)

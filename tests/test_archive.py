@@ -216,3 +216,11 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="newer"):
         await archive.open()
     await archive.close()
+
+
+async def test_counts_by_status_read_no_record(archive: Archive) -> None:
+    first, second = record("a"), record("b")
+    await archive.insert(first)
+    await archive.insert(second)
+    await archive.update(first.with_changes(status=JobStatus.FAILED, end_time=1))
+    assert await archive.count_by_status() == {JobStatus.FAILED: 1, JobStatus.PENDING: 1}

@@ -12,7 +12,7 @@ from jobs_server.manager.drivers import RayDriver
 from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
-from jobs_server.manager.records import JobRecord, JobSpec
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
 
 
 class JobManagerApi(Protocol):
@@ -42,6 +42,10 @@ class JobManagerApi(Protocol):
     ) -> AsyncIterator[list[JobRecord]]:
         """Every job matching `query` after `after`, in batches (an async generator);
         InvalidRequestError for an unknown `after`, before the first batch."""
+        ...
+
+    async def count_by_status(self) -> dict[JobStatus, int]:
+        """How many jobs of each status (the statuses with none may be left out)."""
         ...
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:

@@ -329,6 +329,14 @@ class Archive:
         )
         return None if row is None else JobRecord.model_validate_json(row[0])
 
+    async def count_by_status(self) -> dict[JobStatus, int]:
+        """How many jobs of each status (one scan of the status index, no record read)."""
+        return await self._run(self._count_by_status)
+
+    def _count_by_status(self) -> dict[JobStatus, int]:
+        rows = self._conn().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")
+        return {JobStatus(status): count for status, count in rows.fetchall()}
+
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
         return await self._run(self._unfinished)

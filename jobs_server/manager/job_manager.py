@@ -256,6 +256,25 @@ class JobManager:
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
 
+    async def count_by_status(self) -> dict[JobStatus, int]:
+        """How many jobs of each status: the archive's counts, with the live jobs as the KV has
+        them now (what a list would show); no finished record is read."""
+        counts = await self._archive.count_by_status()
+        unfinished = await self._archive.unfinished()
+        if not unfinished:
+            return counts
+        try:
+            current = await self._store.current(unfinished)
+        except Exception:
+            logger.warning("reading live jobs from the KV failed", exc_info=True)
+            return counts
+        for before in unfinished:
+            now = current.get(before.submission_id, before)
+            if before.status is not now.status:
+                counts[before.status] = counts.get(before.status, 0) - 1
+                counts[now.status] = counts.get(now.status, 0) + 1
+        return counts
+
     async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
         after the KV): one KV round trip per batch, none for a batch of finished jobs."""
