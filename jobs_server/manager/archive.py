@@ -160,38 +160,61 @@ class Archive:
         """Record a new job; DuplicateJobError if its submission_id is in the archive."""
         self._notify(await self._run(self._insert, record, tenant))
 
-    def _insert(self, record: JobRecord, tenant: str | None) -> list[JobEvent]:
+    async def insert_many(self, records: list[JobRecord]) -> None:
+        """Record many new jobs in one transaction (an import, a benchmark's history); all or
+        none: DuplicateJobError if an id is taken."""
+        self._notify(await self._run(self._insert_many, records))
+
+    def _insert_many(self, records: list[JobRecord]) -> list[JobEvent]:
         db = self._conn()
         db.execute("BEGIN IMMEDIATE")
         try:
-            try:
-                cursor = db.execute(
-                    "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
-                    " end_time, record) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        record.submission_id,
-                        record.run_id,
-                        tenant,
-                        record.status.value,
-                        record.start_time,
-                        record.end_time,
-                        record.model_dump_json(),
-                    ),
-                )
-            except sqlite3.IntegrityError:
-                raise DuplicateJobError(record.submission_id) from None
-            db.executemany(
-                "INSERT INTO job_metadata (seq, key, value) VALUES (?, ?, ?)",
-                [(cursor.lastrowid, key, value) for key, value in record.spec.metadata.items()],
-            )
-            events = [self._event(db, JobEventType.SUBMITTED, record, tenant)]
-            if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
-                events.append(self._event(db, JobEventType.STATUS, record, tenant))
+            events = [event for record in records for event in self._insert_row(db, record, None)]
             self._trim_events(db)
             db.execute("COMMIT")
         except BaseException:
             db.execute("ROLLBACK")
             raise
+        return events
+
+    def _insert(self, record: JobRecord, tenant: str | None) -> list[JobEvent]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            events = self._insert_row(db, record, tenant)
+            self._trim_events(db)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return events
+
+    def _insert_row(
+        self, db: sqlite3.Connection, record: JobRecord, tenant: str | None
+    ) -> list[JobEvent]:
+        try:
+            cursor = db.execute(
+                "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
+                " end_time, record) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    record.submission_id,
+                    record.run_id,
+                    tenant,
+                    record.status.value,
+                    record.start_time,
+                    record.end_time,
+                    record.model_dump_json(),
+                ),
+            )
+        except sqlite3.IntegrityError:
+            raise DuplicateJobError(record.submission_id) from None
+        db.executemany(
+            "INSERT INTO job_metadata (seq, key, value) VALUES (?, ?, ?)",
+            [(cursor.lastrowid, key, value) for key, value in record.spec.metadata.items()],
+        )
+        events = [self._event(db, JobEventType.SUBMITTED, record, tenant)]
+        if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
+            events.append(self._event(db, JobEventType.STATUS, record, tenant))
         return events
 
     async def update(self, record: JobRecord) -> JobRecord | None:
