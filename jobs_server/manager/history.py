@@ -9,7 +9,9 @@ there too), so a writer that is late cannot rewrite the history.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.archive import Archive
@@ -29,6 +31,20 @@ class JobHistory:
     def __init__(self, *, store: JobStore, archive: Archive) -> None:
         self._store = store
         self._archive = archive
+        # Per id: removing a run from the KV checks the archive, then deletes; a delete of the
+        # job and its resubmission must not come in between (the KV cannot delete if-equal).
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, submission_id: str) -> AsyncIterator[None]:
+        """No other removal of this id's KV entries meanwhile."""
+        lock = self._locks.setdefault(submission_id, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and self._locks.get(submission_id) is lock:
+                del self._locks[submission_id]
 
     async def learn(self, record: JobRecord) -> JobRecord | None:
         """Archive the run `record` as the KV has it now; the record as archived (None: the run

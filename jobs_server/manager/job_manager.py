@@ -347,10 +347,11 @@ class JobManager:
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
         await self._history.archive_end(record)
-        with contextlib.suppress(Exception):  # gone from the KV already, as it should be
-            await self._store.delete(record)
-        if not await self._archive.delete(submission_id, record.run_id):
-            raise JobNotFoundError(submission_id)
+        async with self._history.exclusive(submission_id):
+            with contextlib.suppress(Exception):  # gone from the KV already, as it should be
+                await self._store.delete(record)
+            if not await self._archive.delete(submission_id, record.run_id):
+                raise JobNotFoundError(submission_id)
         job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
 
     async def read_logs(

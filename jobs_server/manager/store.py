@@ -104,6 +104,10 @@ class JobStore:
             await self._kv.delete(_job_key(job_id))
         await self._kv.delete(_end_key(job_id, record.run_id))
 
+    async def delete_end(self, record: JobRecord) -> None:
+        """Forget the end of the run `record` (its live key may be another run's by now)."""
+        await self._kv.delete(_end_key(record.submission_id, record.run_id))
+
     async def update(
         self, submission_id: str, run_id: str | None = None, **changes: Any
     ) -> JobRecord:
