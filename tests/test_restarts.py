@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import requests
 
@@ -121,6 +122,19 @@ def embedded_server(tmp_path: Path, ray_tmpdir: Path) -> Server:
     )
 
 
+def marker(server: Server) -> str:
+    """A word in the running job's command line, to find its processes by."""
+    return f"restart-marker-{server.tmp_path.name}"
+
+
+def processes_with(word: str) -> list[int]:
+    found = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        if any(word in part for part in process.info["cmdline"] or []):
+            found.append(process.pid)
+    return found
+
+
 def submit_history(server: Server) -> dict[str, str]:
     """A job that succeeds, one that fails, one left running."""
     jobs = {
@@ -128,7 +142,7 @@ def submit_history(server: Server) -> dict[str, str]:
             submission_id="demo-1", entrypoint="echo hello from demo", metadata={"team": "a"}
         ),
         "failed": server.submit(entrypoint="echo bad; exit 3", metadata={"team": "b"}),
-        "running": server.submit(entrypoint="echo started; sleep 1000"),
+        "running": server.submit(entrypoint=f"echo started; sleep 1000; : {marker(server)}"),
     }
     server.wait_status(jobs["ok"], "SUCCEEDED")
     server.wait_status(jobs["failed"], "FAILED")
@@ -171,7 +185,9 @@ def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_job
     try:
         jobs = submit_history(server)
         before = server.listed()
+        assert processes_with(marker(server))
         server.stop()  # SIGTERM
+        assert processes_with(marker(server)) == []  # stopped, not left behind
         server.start()
         assert_finished_history(server, jobs, before)
         running = server.job(jobs["running"])

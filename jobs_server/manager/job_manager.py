@@ -172,10 +172,13 @@ class JobManager:
 
         if live:
             logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
+            deadline = time.monotonic() + timeout_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
                     asyncio.gather(*(stop(record) for record in live)), timeout=timeout_s
                 )
+            # Their supervisors end the processes (SIGTERM, grace, SIGKILL) before Ray stops.
+            await self._watchers.wait(deadline - time.monotonic())
         # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
         for record in await self._archive.unfinished():
             await self._archive.update(

@@ -113,6 +113,12 @@ class JobWatchers:
         task = self._current.get(submission_id)
         return None if task is None else task.done()
 
+    async def wait(self, timeout_s: float) -> None:
+        """Wait at most `timeout_s` for every watched job to end (and its end to be archived)."""
+        tasks = list(self._current.values())
+        if tasks and timeout_s > 0:
+            await asyncio.wait(tasks, timeout=timeout_s)
+
     async def close(self) -> None:
         """Stop watching; the jobs themselves run on in their detached supervisors."""
         tasks = list(self._tasks)
