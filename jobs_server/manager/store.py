@@ -1,4 +1,6 @@
-"""Job records in the GCS KV store: atomic create, and the first terminal status wins.
+"""Live job records in the GCS KV store, where the server and the supervisors coordinate: the
+first terminal status wins. The history is the archive's (archive.py), which also decides that a
+submission_id is new; once a run's end is archived, its keys here are removed.
 
 A job has two keys. `job:<id>` is its live record (PENDING, then RUNNING), written by whoever
 knows (put, last writer wins). `end:<id>:<run_id>` is its end, written once with put-if-absent:
