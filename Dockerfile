@@ -9,6 +9,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     JOBS_SERVER_HOST=0.0.0.0 \
     JOBS_SERVER_PORT=8266 \
+    JOBS_SERVER_STATE_DIR=/var/lib/jobs-server \
     JOBS_SERVER_LOG_DIR=/var/lib/jobs-server/logs
 
 RUN groupadd --system --gid 10001 jobs \
@@ -23,7 +24,8 @@ RUN pip install --no-cache-dir .
 
 USER jobs
 EXPOSE 8266
-VOLUME ["/var/lib/jobs-server/logs"]
+# The job history (jobs.db) and the logs: what must outlive the container.
+VOLUME ["/var/lib/jobs-server"]
 
 HEALTHCHECK --interval=15s --timeout=3s --start-period=30s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('JOBS_SERVER_PORT', '8266') + '/api/healthz', timeout=2)"]

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from jobs_server.api_models import JobDetails
 from jobs_server.manager import JobRecord, RayDriver
 
+# What the cache may hold, in bytes of JSON text (a finished job's details are ~1 KiB).
+DEFAULT_MAX_BYTES = 32 * 1024 * 1024
+
+_Key = tuple[str, str, int | None, int | None, str | None]
+
 
 class JobDetailsJsonCache:
-    """The JSON of finished jobs' details, which never changes; bounded, the oldest go first."""
+    """The JSON of finished jobs' details, which never changes; bounded in bytes, the least
+    recently used go first."""
 
-    def __init__(self, max_entries: int = 100_000) -> None:
-        self._max_entries = max_entries
-        self._json: dict[tuple[str, str, int | None, int | None, str | None], str] = {}
+    def __init__(self, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._json: OrderedDict[_Key, str] = OrderedDict()
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
 
     def json_for(self, record: JobRecord, driver: RayDriver | None = None) -> str:
         if not record.status.is_terminal():
@@ -26,8 +39,16 @@ class JobDetailsJsonCache:
             driver.job_id if driver is not None else None,
         )
         text = self._json.get(key)
-        if text is None:
-            if len(self._json) >= self._max_entries:
-                del self._json[next(iter(self._json))]  # the oldest
-            text = self._json[key] = JobDetails.from_record(record, driver).model_dump_json()
+        if text is not None:
+            self._json.move_to_end(key)
+            return text
+        text = JobDetails.from_record(record, driver).model_dump_json()
+        size = len(text)
+        if size > self._max_bytes:
+            return text
+        while self._bytes + size > self._max_bytes:
+            _, evicted = self._json.popitem(last=False)
+            self._bytes -= len(evicted)
+        self._json[key] = text
+        self._bytes += size
         return text

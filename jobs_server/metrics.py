@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections import Counter as CounterOf
+from collections.abc import Mapping
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jobs_server.manager import JobRecord, JobStatus
+from jobs_server.manager import JobStatus
 
 # The status counted for a request cancelled before its handler returned: nginx's "client closed
 # request", as no status of HTTP's own says that.
@@ -42,9 +42,8 @@ class ServerMetrics:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route).observe(duration_s)
 
-    def exposition(self, jobs: list[JobRecord]) -> bytes:
-        """The text exposition format, with the job counts of `jobs`."""
-        by_status = CounterOf(record.status for record in jobs)
+    def exposition(self, by_status: Mapping[JobStatus, int]) -> bytes:
+        """The text exposition format, with the job counts `by_status`."""
         for status in JobStatus:
             self.jobs.labels(status.value).set(by_status.get(status, 0))
         return generate_latest(self.registry)

@@ -21,6 +21,7 @@ import ray
 from aiohttp.test_utils import TestClient
 
 from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
@@ -70,6 +71,7 @@ async def test_jobs_of_a_supervisor_killed_while_no_server_ran_end_failed(
     args = [
         *("--port", str(port), "--ray-address", ray_connection),
         *("--log-dir", str(tmp_path / "logs"), "--namespace", namespace),
+        *("--state-dir", str(tmp_path / "state")),
     ]
     log_path = tmp_path / "server.log"
     first = start_jobs_server(args, log_path)
@@ -374,36 +376,41 @@ async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection:
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
 
 
-async def test_jobs_created_while_the_first_list_indexes_are_listed(ray_connection: str) -> None:
-    """Item 2, at the store: creates racing with the list that builds the index, and with the
-    lists after it, are in every list that begins after they were created."""
-    namespace = f"index_{uuid.uuid4().hex[:8]}"
-    seed = JobStore(GcsKv(ray_connection, namespace))
-    for index in range(100):  # something to index
+async def test_jobs_created_while_lists_run_are_in_every_later_list(tmp_path: Path) -> None:
+    """Item 2, at the archive (the history lists are read from): inserts racing with lists are
+    in every list that begins after they were answered."""
+    archive = Archive(archive_path(tmp_path / "state"))
+    await archive.open()
+    for index in range(100):  # something to list
         spec = JobSpec(entrypoint="true", submission_id=f"old-{index:03d}")
-        await seed.create(JobRecord(spec=spec, start_time=now_ms()))
-    store = JobStore(GcsKv(ray_connection, namespace), cache_terminal=True)
+        await archive.insert(JobRecord(spec=spec, start_time=now_ms()))
     created: list[str] = []
 
     async def create(index: int) -> None:
         await asyncio.sleep(index * 0.003)  # spread over the lists
         spec = JobSpec(entrypoint="true", submission_id=f"new-{index:03d}")
-        await store.create(JobRecord(spec=spec, start_time=now_ms()))
+        await archive.insert(JobRecord(spec=spec, start_time=now_ms()))
         created.append(spec.submission_id)
 
     lists: list[tuple[list[str], set[str]]] = []
 
+    async def listed() -> set[str]:
+        return {
+            record.submission_id async for batch in archive.stream(JobQuery()) for record in batch
+        }
+
     async def list_meanwhile() -> None:
         while len(created) < 100:
             before = list(created)
-            lists.append((before, {record.submission_id for record in await store.list()}))
+            lists.append((before, await listed()))
 
     await asyncio.gather(
         *(create(index) for index in range(100)), list_meanwhile(), list_meanwhile()
     )
-    lists.append((list(created), {record.submission_id for record in await store.list()}))
-    for before, listed in lists:
-        assert set(before) <= listed, (len(lists), sorted(set(before) - listed)[:10])
+    lists.append((list(created), await listed()))
+    await archive.close()
+    for before, found in lists:
+        assert set(before) <= found, (len(lists), sorted(set(before) - found)[:10])
     assert len(lists[-1][1]) == 200
 
 

@@ -71,7 +71,7 @@ def test_document_is_valid_openapi() -> None:
 
 
 def test_document_lists_exactly_the_routes(tmp_path: Path, contract: Contract) -> None:
-    app = create_app(Settings(port=0, log_dir=tmp_path / "logs"))
+    app = create_app(Settings(port=0, state_dir=tmp_path / "state", log_dir=tmp_path / "logs"))
     routed = set()
     for route in app.router.routes():
         if route.method == "HEAD":  # aiohttp adds one to every GET
@@ -191,6 +191,17 @@ async def test_responses_match_the_document(
     assert finished["driver_exit_code"] == 0
     listed = await api.call("GET", "/api/jobs/", expect=200)
     assert {job["submission_id"] for job in listed} == {finished_id, running_id}
+    newest = await api.call("GET", "/api/jobs/?order=desc&limit=1", expect=200)
+    assert [job["submission_id"] for job in newest] == [listed[-1]["submission_id"]]
+    dated = await api.call(
+        "GET",
+        "/api/jobs/?submitted_after=2000-01-01T00:00:00Z&submitted_before=99999999999999",
+        expect=200,
+    )
+    assert len(dated) == 2
+    await api.call("GET", "/api/jobs/?metadata.team=nobody", expect=200)
+    await api.call("GET", "/api/jobs/?submitted_after=yesterday", expect=400)
+    await api.call("GET", "/api/jobs/?order=sideways", expect=400)
     logs = await api.call("GET", f"/api/jobs/{finished_id}/logs", expect=200)
     assert "contract-hello" in logs["logs"]
     job_logs = f"/api/jobs/{finished_id}/logs"
