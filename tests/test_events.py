@@ -12,12 +12,17 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-from jobs_server.keys import SHUTTING_DOWN_KEY
+from jobs_server.app import create_app
+from jobs_server.keys import JOB_MANAGER_KEY, SHUTTING_DOWN_KEY
 from jobs_server.manager import event_feed as event_feed_module
+from jobs_server.manager.archive import Archive
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.routes import events as events_route
+from jobs_server.settings import Settings
+from tests.conftest import submit, wait_for_status
 from tests.fakes import FakeJobManager, InMemoryEventLog
+from tests.test_streams import poll_until
 
 Client = TestClient[Any, Any]
 READ_TIMEOUT_S = 20.0
@@ -366,3 +371,109 @@ async def test_the_reset_names_the_oldest_kept_id() -> None:
     assert isinstance(reset, FeedReset)
     assert reset.oldest_id == 3
     await subscription.aclose()
+
+
+# With the real server on real Ray, its archive holding the events.
+
+
+class NdjsonReader:
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self.response = response
+
+    async def next_line(self) -> dict[str, Any]:
+        while True:
+            raw = await asyncio.wait_for(self.response.content.readline(), READ_TIMEOUT_S * 3)
+            if not raw:
+                raise EOFError("the stream ended")
+            line: dict[str, Any] = json.loads(raw)
+            if line["type"] != "heartbeat":
+                return line
+
+    async def until_status(self, submission_id: str, status: str) -> list[dict[str, Any]]:
+        lines = []
+        while True:
+            line = await self.next_line()
+            lines.append(line)
+            if line["submission_id"] == submission_id and line["status"] == status:
+                return lines
+
+
+async def open_ndjson(client: Client, **params: str) -> NdjsonReader:
+    response = await client.get("/api/events", params={"format": "ndjson", **params})
+    assert response.status == 200, await response.text()
+    return NdjsonReader(response)
+
+
+async def test_a_real_job_s_events_then_a_resume_across_a_restart(
+    aiohttp_client: Any, settings: Settings
+) -> None:
+    first = await aiohttp_client(create_app(settings))
+    stream = await open_ndjson(first)
+    job_id = await submit(first, entrypoint="echo hello")
+    seen = await stream.until_status(job_id, "SUCCEEDED")
+    mine = [line for line in seen if line["submission_id"] == job_id]
+    assert [(line["type"], line["status"]) for line in mine] == [
+        ("submitted", "PENDING"),
+        ("status", "RUNNING"),
+        ("status", "SUCCEEDED"),
+    ]
+    ids = [line["id"] for line in seen]
+    assert ids == sorted(ids)
+    assert len(set(ids)) == len(ids)
+    assert mine[-1]["job"]["driver_exit_code"] == 0
+
+    # A resume from the first event gives exactly the rest.
+    resumed = await open_ndjson(first, after=str(ids[0]))
+    again = await resumed.until_status(job_id, "SUCCEEDED")
+    assert [line["id"] for line in again] == ids[1:]
+
+    # The server stops: the open streams end (cleanly, not cut), then a new server resumes.
+    reading = asyncio.ensure_future(stream.response.content.read())
+    await first.server.close()
+    assert await asyncio.wait_for(reading, READ_TIMEOUT_S) == b""
+    second = await aiohttp_client(create_app(settings))
+    after_restart = await open_ndjson(second, after=str(ids[0]))
+    replayed = await after_restart.until_status(job_id, "SUCCEEDED")
+    assert [line["id"] for line in replayed] == ids[1:]
+    assert (await second.delete(f"/api/jobs/{job_id}")).status == 200
+    deleted = await after_restart.next_line()
+    assert (deleted["type"], deleted["id"], deleted["job"]) == ("deleted", ids[-1] + 1, None)
+
+
+async def test_real_filters_and_sse(client: Client) -> None:
+    failing = await submit(client, entrypoint="exit 3")
+    await wait_for_status(client, failing)
+    response = await client.get(
+        "/api/events", params={"after": "0", "status": "FAILED", "submission_id": failing}
+    )
+    reader = SseReader(response)
+    (event,) = job_events(await reader.events(1))
+    assert (event["submission_id"], event["status"]) == (failing, "FAILED")
+    assert event["job"]["driver_exit_code"] == 3
+    response.close()
+
+
+async def test_a_real_id_too_old_gets_a_reset(
+    aiohttp_client: Any, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The archive keeps only the last 2 events here.
+    defaults = dict(Archive.__init__.__kwdefaults__ or {})
+    monkeypatch.setattr(Archive.__init__, "__kwdefaults__", {**defaults, "max_events": 2})
+    client = await aiohttp_client(create_app(settings))
+    job_id = await submit(client, entrypoint="true")
+    await wait_for_status(client, job_id)
+    stream = await open_ndjson(client, after="0")
+    reset = await stream.next_line()
+    assert reset["type"] == "reset"
+    assert reset["oldest_id"] > 1
+    assert (await client.delete(f"/api/jobs/{job_id}")).status == 200
+    deleted = await stream.next_line()
+    assert (deleted["type"], deleted["submission_id"]) == ("deleted", job_id)
+
+
+async def test_a_real_client_that_leaves_is_released(client: Client) -> None:
+    feed = client.server.app[JOB_MANAGER_KEY]._event_feed
+    response = await client.get("/api/events")
+    await poll_until(lambda: len(feed) == 1, READ_TIMEOUT_S, "the subscriber")
+    response.close()
+    await poll_until(lambda: len(feed) == 0, READ_TIMEOUT_S, "the subscriber to be released")
