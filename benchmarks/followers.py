@@ -49,7 +49,7 @@ EVENT_SUBSCRIBERS = 100
 LINES = 20
 LINE_INTERVAL_S = 0.5
 SILENT_WINDOW_S = 10.0
-CONNECT_TIMEOUT_S = 180.0
+CONNECT_TIMEOUT_S = 90.0
 END_TIMEOUT_S = 120.0
 # Opened this many at a time: a thousand at once only measures the accept queue.
 CONNECT_BATCH = 50
@@ -239,7 +239,7 @@ def report(ours: Result, ray: Result) -> str:
     return "\n".join(rows)
 
 
-async def main(followers: int, event_subscribers: int) -> None:
+async def main(followers: int, event_subscribers: int, *, only_ours: bool = False) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children inherit it
     with tempfile.TemporaryDirectory(prefix="bench-followers-") as tmp:
@@ -255,6 +255,9 @@ async def main(followers: int, event_subscribers: int) -> None:
                 event_subscribers=event_subscribers,
                 work_dir=work_dir,
             )
+            if only_ours:
+                print(report(ours, Result("Ray", 0, 0, 0.0, [])))
+                return
             ray = await measure(
                 "Ray",
                 head.dashboard_url,
@@ -271,6 +274,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--followers", type=int, default=FOLLOWERS)
     parser.add_argument("--event-subscribers", type=int, default=EVENT_SUBSCRIBERS)
+    parser.add_argument("--only-ours", action="store_true", help="skip Ray's server (tuning)")
     arguments = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    asyncio.run(main(arguments.followers, arguments.event_subscribers))
+    asyncio.run(
+        main(arguments.followers, arguments.event_subscribers, only_ours=arguments.only_ours)
+    )

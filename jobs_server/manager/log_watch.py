@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 LOG_POLL_INTERVAL_S = 0.01
 # How often a watcher asks its idle followers whether they should stop (client gone, shutdown)
 # and hands out idle ticks: a follower that left is noticed within this.
-IDLE_SCAN_S = 0.1
+IDLE_SCAN_S = 0.25
 
 
 class Wake(Enum):

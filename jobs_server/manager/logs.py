@@ -6,7 +6,6 @@ Every log endpoint frames the chunks this module yields; none reads a log file a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatch, LogWatchers, Wake
+from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatchers, Wake
 
 # Large enough that a full read of a big log is not dominated by per-chunk costs (a thread hop,
 # a write); a follower of a live job reads only what is new, usually far less.
@@ -59,7 +58,7 @@ def _open_at(path: Path, offset: int) -> BinaryIO | None:
     return log_file
 
 
-async def read_log_chunks(
+def read_log_chunks(
     path: Path,
     *,
     offset: int = 0,
@@ -85,12 +84,22 @@ async def read_log_chunks(
     as soon as it turns true (checked by the watcher every `IDLE_SCAN_S`).
     """
     if follow and watchers is not None and job_is_terminal is not None:
-        async with watchers.follow(path, job_is_terminal) as watch:
-            chunks = _read_watched(path, watch, offset, limit, idle_tick_s, chunk_bytes, stop_when)
-            async with contextlib.aclosing(chunks):
-                async for chunk in chunks:
-                    yield chunk
-        return
+        return _read_watched(
+            path, watchers, job_is_terminal, offset, limit, idle_tick_s, chunk_bytes, stop_when
+        )
+    return _read_polled(path, offset, limit, follow, job_is_terminal, idle_tick_s, chunk_bytes)
+
+
+async def _read_polled(
+    path: Path,
+    offset: int,
+    limit: int | None,
+    follow: bool,
+    job_is_terminal: Callable[[], Awaitable[bool]] | None,
+    idle_tick_s: float | None,
+    chunk_bytes: int,
+) -> AsyncGenerator[LogChunk, None]:
+    """`read_log_chunks` without a watcher: at the end of the file, a follower polls it."""
     log_file: BinaryIO | None = None
     remaining = limit
     job_ended = False
@@ -125,38 +134,41 @@ async def read_log_chunks(
 
 async def _read_watched(
     path: Path,
-    watch: LogWatch,
+    watchers: LogWatchers,
+    job_is_terminal: Callable[[], Awaitable[bool]],
     offset: int,
     limit: int | None,
     idle_tick_s: float | None,
     chunk_bytes: int,
     stop_when: Callable[[], bool] | None,
 ) -> AsyncGenerator[LogChunk, None]:
-    """`read_log_chunks`' follow mode, woken by the file's watcher."""
+    """`read_log_chunks`' follow mode, woken by the file's watcher (joined on the first read,
+    left when this generator closes)."""
     log_file: BinaryIO | None = None
     remaining = limit
-    try:
-        while remaining is None or remaining > 0:
-            # Noted before reading: a change or an end that comes during the read is not missed,
-            # and an end seen here means the read below got everything written before it.
-            generation, ended = watch.generation, watch.ended
-            if log_file is None:
-                log_file = await asyncio.to_thread(_open_at, path, offset)
-            data = await _read_after(log_file, offset, remaining, chunk_bytes)
-            if data:
-                yield LogChunk(offset, data)
-                offset += len(data)
-                if remaining is not None:
-                    remaining -= len(data)
-                continue
-            if ended:
-                return
-            wake = await watch.wait(generation, stop_when=stop_when, idle_tick_s=idle_tick_s)
-            if wake is Wake.TICK:
-                yield LogChunk(offset, b"")
-    finally:
-        if log_file is not None:
-            log_file.close()
+    async with watchers.follow(path, job_is_terminal) as watch:
+        try:
+            while remaining is None or remaining > 0:
+                # Noted before reading: a change or an end during the read is not missed, and an
+                # end seen here means the read below gets everything written before it.
+                generation, ended = watch.generation, watch.ended
+                if log_file is None:
+                    log_file = await asyncio.to_thread(_open_at, path, offset)
+                data = await _read_after(log_file, offset, remaining, chunk_bytes)
+                if data:
+                    yield LogChunk(offset, data)
+                    offset += len(data)
+                    if remaining is not None:
+                        remaining -= len(data)
+                    continue
+                if ended:
+                    return
+                wake = await watch.wait(generation, stop_when=stop_when, idle_tick_s=idle_tick_s)
+                if wake is Wake.TICK:
+                    yield LogChunk(offset, b"")
+        finally:
+            if log_file is not None:
+                log_file.close()
 
 
 async def _read_after(
