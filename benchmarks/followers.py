@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import resource
 import tempfile
 import time
@@ -73,6 +74,8 @@ class Result:
     silent_cpu_percent: float
     latencies_s: list[float]
     event_subscribers: int = 0
+    load_average: float = 0.0
+    """The machine's 1-minute load average at the end: other work competing for its cores."""
 
     @property
     def p50_s(self) -> float:
@@ -214,7 +217,9 @@ async def measure(
             task.cancel()
         await asyncio.gather(*tasks, *subscriber_tasks, return_exceptions=True)
     all_latencies = [value for each in latencies for value in each.latencies_s]
-    return Result(name, followers, connected, silent_cpu, all_latencies, subscribers)
+    return Result(
+        name, followers, connected, silent_cpu, all_latencies, subscribers, os.getloadavg()[0]
+    )
 
 
 def report(ours: Result, ray: Result) -> str:
@@ -235,6 +240,8 @@ def report(ours: Result, ray: Result) -> str:
         f"| {ray.p99_s * 1000:.0f} ms | {ratio(ours.p99_s, ray.p99_s)} |",
         f"| lines received | {len(ours.latencies_s)}/{ours.followers * LINES} "
         f"| {len(ray.latencies_s)}/{ray.followers * LINES} | |",
+        f"| machine load average (1 min, {os.cpu_count()} cores) | {ours.load_average:.1f} "
+        f"| {ray.load_average:.1f} | |",
     ]
     return "\n".join(rows)
 
