@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -405,12 +406,17 @@ async def open_ndjson(client: Client, **params: str) -> NdjsonReader:
 
 
 async def test_a_real_job_s_events_then_a_resume_across_a_restart(
-    aiohttp_client: Any, settings: Settings
+    aiohttp_client: Any, settings: Settings, tmp_path: Path
 ) -> None:
     first = await aiohttp_client(create_app(settings))
     stream = await open_ndjson(first)
-    job_id = await submit(first, entrypoint="echo hello")
-    seen = await stream.until_status(job_id, "SUCCEEDED")
+    # The job runs until the test has seen it RUNNING (a job that ends at once may be learnt
+    # ended before it was seen running: then there is no RUNNING event).
+    flag = tmp_path / "go"
+    job_id = await submit(first, entrypoint=f"until [ -e {flag} ]; do sleep 0.05; done; echo hello")
+    seen = await stream.until_status(job_id, "RUNNING")
+    flag.touch()
+    seen += await stream.until_status(job_id, "SUCCEEDED")
     mine = [line for line in seen if line["submission_id"] == job_id]
     assert [(line["type"], line["status"]) for line in mine] == [
         ("submitted", "PENDING"),
@@ -460,8 +466,10 @@ async def test_a_real_id_too_old_gets_a_reset(
     defaults = dict(Archive.__init__.__kwdefaults__ or {})
     monkeypatch.setattr(Archive.__init__, "__kwdefaults__", {**defaults, "max_events": 2})
     client = await aiohttp_client(create_app(settings))
+    # Two jobs: at least 4 events (each submitted and ended), of which 2 are kept.
     job_id = await submit(client, entrypoint="true")
     await wait_for_status(client, job_id)
+    await wait_for_status(client, await submit(client, entrypoint="true"))
     stream = await open_ndjson(client, after="0")
     reset = await stream.next_line()
     assert reset["type"] == "reset"
