@@ -40,6 +40,7 @@ from jobs_server.manager import (
     watch_cluster,
 )
 from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
@@ -155,12 +156,17 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     )
     if sigterm_handler is not None:
         signal.signal(signal.SIGTERM, sigterm_handler)
-    archive = Archive(archive_path(settings.state_dir))
+    # The archive wakes the event feed after each commit; the feed reads gaps back from it.
+    archive = Archive(
+        archive_path(settings.state_dir), on_events=lambda events: event_feed.publish(events)
+    )
+    event_feed = EventFeed(archive)
     await archive.open()
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
         archive=archive,
+        event_feed=event_feed,
         log_dir=settings.log_dir,
         stop_grace_s=settings.stop_grace_s,
         job_start_timeout_s=settings.job_start_timeout_s,

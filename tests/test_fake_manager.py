@@ -20,6 +20,7 @@ from jobs_server.errors import (
 )
 from jobs_server.manager import JobManager, JobManagerApi, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
+from jobs_server.manager.event_feed import EventFeed
 from tests.conftest import kill_actors_in_namespace
 from tests.fakes import FakeJobManager
 
@@ -38,6 +39,7 @@ async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         gcs_address=gcs_address,
         namespace=namespace,
         archive=archive,
+        event_feed=EventFeed(archive),
         log_dir=log_dir,
         stop_grace_s=0.5,
         job_start_timeout_s=60,

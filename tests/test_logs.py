@@ -12,7 +12,8 @@ import pytest
 from aiohttp import ClientTimeout
 from aiohttp.test_utils import TestClient
 
-from jobs_server.manager.logs import complete_utf8_length
+from jobs_server.manager.log_watch import LogWatchers
+from jobs_server.manager.logs import complete_utf8_length, read_log_chunks
 from jobs_server.settings import Settings
 from tests.conftest import job_logs, submit, wait_for_status
 
@@ -242,3 +243,71 @@ def test_complete_utf8_length_holds_back_only_an_unfinished_character() -> None:
     assert complete_utf8_length(b"a" + "😀".encode()[:3]) == 1
     assert complete_utf8_length(b"a\xff") == 2
     assert complete_utf8_length(b"") == 0
+
+
+# The shared watcher, on a plain file (no server).
+
+
+async def _next(chunks: Any) -> Any:
+    return await asyncio.wait_for(anext(chunks), 10)
+
+
+async def test_followers_of_one_file_share_one_watcher_that_stops_with_the_last(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "job.log"
+    path.write_bytes(b"one\n")
+    ended = False
+
+    async def job_is_terminal() -> bool:
+        return ended
+
+    watchers = LogWatchers()
+    followers = [
+        read_log_chunks(path, follow=True, job_is_terminal=job_is_terminal, watchers=watchers)
+        for _ in range(3)
+    ]
+    for follower in followers:
+        assert (await _next(follower)).data == b"one\n"
+    assert len(watchers) == 1
+    reads = [asyncio.ensure_future(_next(follower)) for follower in followers]
+    await asyncio.sleep(0.05)
+    with path.open("ab") as log:
+        log.write(b"two\n")
+    assert [(chunk.offset, chunk.data) for chunk in await asyncio.gather(*reads)] == [
+        (4, b"two\n")
+    ] * 3
+    # The job ends right after its last line: every follower still gets it, then ends.
+    with path.open("ab") as log:
+        log.write(b"last\n")
+    ended = True
+    for follower in followers[:2]:
+        assert [chunk.data async for chunk in follower] == [b"last\n"]
+    assert len(watchers) == 1  # the third still follows
+    await followers[2].aclose()
+    assert len(watchers) == 0
+
+
+async def test_a_quiet_watched_follower_ticks_when_asked_to_stop(tmp_path: Path) -> None:
+    path = tmp_path / "job.log"
+    stop = False
+
+    async def never_ends() -> bool:
+        return False
+
+    watchers = LogWatchers()
+    follower = read_log_chunks(
+        path,
+        follow=True,
+        job_is_terminal=never_ends,
+        watchers=watchers,
+        idle_tick_s=3600,
+        stop_when=lambda: stop,
+    )
+    tick = asyncio.ensure_future(_next(follower))
+    await asyncio.sleep(0.3)
+    assert not tick.done()  # no tick while nothing asks for one
+    stop = True
+    assert (await tick).data == b""
+    await follower.aclose()
+    assert len(watchers) == 0

@@ -8,7 +8,7 @@ import logging
 import secrets
 import string
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,13 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -86,6 +89,7 @@ class JobManager:
         gcs_address: str,
         namespace: str,
         archive: Archive,
+        event_feed: EventFeed,
         log_dir: Path,
         stop_grace_s: float,
         job_start_timeout_s: float,
@@ -93,7 +97,10 @@ class JobManager:
         stop_jobs_on_close_s: float | None = None,
     ) -> None:
         self._log_dir = log_dir
+        self._log_watchers = LogWatchers()
         self._archive = archive
+        # The archive's events, fanned out; the archive's `on_events` must be its `publish`.
+        self._event_feed = event_feed
         self._store = JobStore(GcsKv(gcs_address, namespace))
         self._history = JobHistory(store=self._store, archive=archive)
         self._stop_grace_s = stop_grace_s
@@ -402,6 +409,7 @@ class JobManager:
         limit: int | None = None,
         follow: bool = False,
         idle_tick_s: float | None = None,
+        stop_when: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
         before any chunk is read."""
@@ -413,12 +421,22 @@ class JobManager:
             follow=follow,
             job_is_terminal=lambda: self._job_has_ended(submission_id),
             idle_tick_s=idle_tick_s,
+            watchers=self._log_watchers,
+            stop_when=stop_when,
         )
 
     async def log_size(self, submission_id: str) -> int:
         """The job's log size in bytes now."""
         await self._ensure_exists(submission_id)
         return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
+
+    async def subscribe_events(
+        self, *, after: int | None, event_filter: EventFilter, idle_tick_s: float | None = None
+    ) -> AsyncGenerator[JobEvent | FeedReset | None, None]:
+        """The job events after `after` that pass `event_filter` (see `EventFeed.subscribe`)."""
+        return self._event_feed.subscribe(
+            after=after, event_filter=event_filter, idle_tick_s=idle_tick_s
+        )
 
     async def _ensure_exists(self, submission_id: str) -> None:
         """Raise JobNotFoundError for an unknown job. A job this server watches exists without
