@@ -2,13 +2,14 @@
 
 from aiohttp import web
 
-from jobs_server.routes import jobs, logs, packages, service
+from jobs_server.routes import jobs, logs, packages, service, ui
 
 ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
     service.routes,
     jobs.routes,
     logs.routes,
     packages.routes,
+    ui.routes,
 )
 
 __all__ = ["ROUTE_TABLES"]
