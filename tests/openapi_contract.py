@@ -217,7 +217,14 @@ class Contract:
 
 
 _TEXT_MEDIA_TYPES = frozenset(
-    {"text/plain", "text/event-stream", "application/yaml", "text/html", "text/javascript", "text/css"}
+    {
+        "text/plain",
+        "text/event-stream",
+        "application/yaml",
+        "text/html",
+        "text/javascript",
+        "text/css",
+    }
 )
 
 
