@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Callable
+from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
@@ -29,9 +30,23 @@ from jobs_server.manager import LogChunk
 
 logger = logging.getLogger(__name__)
 
+ItemT = TypeVar("ItemT")
+
 # How often an idle follower checks that its client is still there and the server is not
 # shutting down: the longest a follower that left holds its file and task.
 CLIENT_CHECK_S = 0.5
+
+
+def follower_should_stop(request: web.Request) -> Callable[[], bool]:
+    """For a follower's `stop_when`: true once its client has left or the server shuts down.
+    Checked by the log's watcher, so a thousand quiet followers are not woken to ask."""
+    shutting_down = request.app[SHUTTING_DOWN_KEY]
+
+    def should_stop() -> bool:
+        transport = request.transport
+        return transport is None or transport.is_closing() or shutting_down.is_set()
+
+    return should_stop
 
 
 class OpenStream:
@@ -73,6 +88,22 @@ class OpenStream:
                     return
                 if chunk.data:
                     yield chunk
+
+    async def items(
+        self, source: AsyncGenerator[ItemT | None, None], *, idle: bool = False
+    ) -> AsyncGenerator[ItemT | None, None]:
+        """The items of an endless feed (the event stream) until the client leaves or the server
+        shuts down; None is an idle tick, passed on only with `idle` (for a heartbeat). The
+        source is closed however this ends."""
+        async with contextlib.aclosing(source):
+            if self._request.method == "HEAD":
+                return
+            async for item in source:
+                if self.client_left() or self.shutting_down:
+                    self.cut_short = True
+                    return
+                if item is not None or idle:
+                    yield item
 
     async def serve_websocket(
         self, websocket: web.WebSocketResponse, texts: AsyncIterable[str]

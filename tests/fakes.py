@@ -10,7 +10,7 @@ stays PENDING until the test moves it on (`start`, `write_log`, `finish`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +34,11 @@ from jobs_server.manager import (
     PackageStore,
     RayDriver,
 )
+from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.job_manager import _validate_runtime_env
 from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
 
@@ -93,6 +96,44 @@ class FakePackageStore(PackageStore):
         self._max_package_bytes = max_package_bytes
 
 
+class InMemoryEventLog:
+    """The archive's `EventLog` in a list (tests only): numbered events, the oldest dropped past
+    `keep`, and `on_events` called with each new batch, as the archive does after its commit."""
+
+    def __init__(
+        self, *, keep: int = 10_000, on_events: Callable[[list[JobEvent]], None] | None = None
+    ) -> None:
+        self.events: list[JobEvent] = []
+        self.keep = keep
+        self.on_events = on_events
+        self._next_id = 1
+
+    def record(self, type: JobEventType, record: JobRecord | None, submission_id: str) -> JobEvent:
+        event = JobEvent(
+            id=self._next_id,
+            type=type,
+            submission_id=submission_id,
+            status=None if record is None else record.status,
+            message=None if record is None else record.message,
+            time=now_ms(),
+            record=record,
+        )
+        self._next_id += 1
+        self.events.append(event)
+        del self.events[: max(0, len(self.events) - self.keep)]
+        if self.on_events is not None:
+            self.on_events([event])
+        return event
+
+    async def events_after(self, after_id: int, limit: int) -> list[JobEvent]:
+        return [event for event in self.events if event.id > after_id][:limit]
+
+    async def event_id_range(self) -> tuple[int, int]:
+        if not self.events:
+            return (self._next_id - 1, self._next_id - 1) if self._next_id > 1 else (0, 0)
+        return self.events[0].id, self.events[-1].id
+
+
 class FakeJobManager:
     """A JobManager without Ray: the same rules and errors, jobs that move only when told.
 
@@ -103,9 +144,13 @@ class FakeJobManager:
 
     def __init__(self, log_dir: Path, *, max_package_bytes: int) -> None:
         self.log_dir = log_dir
+        self._log_watchers = LogWatchers()
         self.packages = FakePackageStore(max_package_bytes)
         self._records: dict[str, JobRecord] = {}
         self.stop_requests: list[tuple[str, float | None]] = []
+        self.event_log = InMemoryEventLog()
+        self.event_feed = EventFeed(self.event_log)
+        self.event_log.on_events = self.event_feed.publish
 
     # The manager's API (jobs_server.manager.JobManagerApi).
 
@@ -116,6 +161,7 @@ class FakeJobManager:
             raise DuplicateJobError(spec.submission_id)
         record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
         self._records[spec.submission_id] = record
+        self.event_log.record(JobEventType.SUBMITTED, record, spec.submission_id)
         return record
 
     async def get_job(self, submission_id: str) -> JobRecord:
@@ -167,6 +213,7 @@ class FakeJobManager:
             raise JobNotTerminalError(submission_id, record.status)
         del self._records[submission_id]
         job_log_path(self.log_dir, submission_id).unlink(missing_ok=True)
+        self.event_log.record(JobEventType.DELETED, None, submission_id)
 
     async def read_logs(
         self,
@@ -176,6 +223,7 @@ class FakeJobManager:
         limit: int | None = None,
         follow: bool = False,
         idle_tick_s: float | None = None,
+        stop_when: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         self._get(submission_id)
 
@@ -190,11 +238,20 @@ class FakeJobManager:
             follow=follow,
             job_is_terminal=job_is_terminal,
             idle_tick_s=idle_tick_s,
+            watchers=self._log_watchers,
+            stop_when=stop_when,
         )
 
     async def log_size(self, submission_id: str) -> int:
         self._get(submission_id)
         return await asyncio.to_thread(log_size, job_log_path(self.log_dir, submission_id))
+
+    async def subscribe_events(
+        self, *, after: int | None, event_filter: EventFilter, idle_tick_s: float | None = None
+    ) -> AsyncGenerator[JobEvent | FeedReset | None, None]:
+        return self.event_feed.subscribe(
+            after=after, event_filter=event_filter, idle_tick_s=idle_tick_s
+        )
 
     def backend(self) -> Backend:
         """What `create_app(settings, backend=...)` takes: this manager, its packages."""
@@ -257,6 +314,8 @@ class FakeJobManager:
             changes.setdefault("end_time", now_ms())
         updated = current.with_changes(**changes)
         self._records[submission_id] = updated
+        if updated.status is not current.status:
+            self.event_log.record(JobEventType.STATUS, updated, submission_id)
         return updated
 
 

@@ -3,11 +3,13 @@ so do the tests' in-memory fakes (tests/fakes.py), which serve an app that never
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from jobs_server.manager.drivers import RayDriver
+from jobs_server.manager.event_feed import EventFilter, FeedReset
+from jobs_server.manager.events import JobEvent
 from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
@@ -52,12 +54,22 @@ class JobManagerApi(Protocol):
         limit: int | None = None,
         follow: bool = False,
         idle_tick_s: float | None = None,
+        stop_when: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
-        """The job's log chunks from `offset`; JobNotFoundError before any chunk is read."""
+        """The job's log chunks from `offset`; JobNotFoundError before any chunk is read. A
+        follower at the end of the log gets an idle (empty) chunk every `idle_tick_s`, or, with
+        `stop_when`, as soon as `stop_when()` turns true."""
         ...
 
     async def log_size(self, submission_id: str) -> int:
         """The job's log size in bytes now."""
+        ...
+
+    async def subscribe_events(
+        self, *, after: int | None, event_filter: EventFilter, idle_tick_s: float | None = None
+    ) -> AsyncGenerator[JobEvent | FeedReset | None, None]:
+        """The job events after id `after` (from now when None) that pass `event_filter`, in
+        order and endless (see `EventFeed.subscribe`)."""
         ...
 
 

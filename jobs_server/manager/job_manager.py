@@ -7,7 +7,7 @@ import logging
 import secrets
 import string
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from ray.runtime_env import RuntimeEnv
 
 import jobs_server
 from jobs_server.errors import (
+    ClusterUnavailableError,
     InvalidJobOptionsError,
     InvalidRequestError,
     InvalidRuntimeEnvError,
@@ -28,8 +29,11 @@ from jobs_server.errors import (
     SupervisorUnreachableError,
 )
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.events import JobEvent
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -80,6 +84,9 @@ class JobManager:
         shared_supervisors: int = 1,
     ) -> None:
         self._log_dir = log_dir
+        self._log_watchers = LogWatchers()
+        # Set once the archive (the events' log) is wired in.
+        self.event_feed: EventFeed | None = None
         self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
         self._packages = PackageLookup(gcs_address)
         # The server's node: its log directory is where every job's log ends up.
@@ -244,6 +251,7 @@ class JobManager:
         limit: int | None = None,
         follow: bool = False,
         idle_tick_s: float | None = None,
+        stop_when: Callable[[], bool] | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
         before any chunk is read."""
@@ -255,12 +263,24 @@ class JobManager:
             follow=follow,
             job_is_terminal=lambda: self._job_has_ended(submission_id),
             idle_tick_s=idle_tick_s,
+            watchers=self._log_watchers,
+            stop_when=stop_when,
         )
 
     async def log_size(self, submission_id: str) -> int:
         """The job's log size in bytes now."""
         await self._ensure_exists(submission_id)
         return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
+
+    async def subscribe_events(
+        self, *, after: int | None, event_filter: EventFilter, idle_tick_s: float | None = None
+    ) -> AsyncGenerator[JobEvent | FeedReset | None, None]:
+        """The job events after `after` that pass `event_filter` (see `EventFeed.subscribe`)."""
+        if self.event_feed is None:
+            raise ClusterUnavailableError("The event stream needs the job archive; it is off.")
+        return self.event_feed.subscribe(
+            after=after, event_filter=event_filter, idle_tick_s=idle_tick_s
+        )
 
     async def _ensure_exists(self, submission_id: str) -> None:
         """Raise JobNotFoundError for an unknown job. A job this server watches exists without

@@ -6,6 +6,7 @@ Every log endpoint frames the chunks this module yields; none reads a log file a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -13,12 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatch, LogWatchers, Wake
+
 # Large enough that a full read of a big log is not dominated by per-chunk costs (a thread hop,
 # a write); a follower of a live job reads only what is new, usually far less.
 LOG_CHUNK_BYTES = 256 * 1024
-# How often a follower looks for new bytes once it has read everything: the tail's lag. A look
-# is one fstat; the file is read only when it grew.
-LOG_POLL_INTERVAL_S = 0.01
+# Up to this many new bytes are read on the event loop rather than in a thread.
+SMALL_READ_BYTES = 16 * 1024
 # The last bytes of output quoted in a failed job's message.
 LOG_TAIL_FOR_MESSAGE_BYTES = 2048
 
@@ -57,10 +59,6 @@ def _open_at(path: Path, offset: int) -> BinaryIO | None:
     return log_file
 
 
-def _has_bytes_after(log_file: BinaryIO, offset: int) -> bool:
-    return os.fstat(log_file.fileno()).st_size > offset
-
-
 async def read_log_chunks(
     path: Path,
     *,
@@ -70,6 +68,8 @@ async def read_log_chunks(
     job_is_terminal: Callable[[], Awaitable[bool]] | None = None,
     idle_tick_s: float | None = None,
     chunk_bytes: int = LOG_CHUNK_BYTES,
+    watchers: LogWatchers | None = None,
+    stop_when: Callable[[], bool] | None = None,
 ) -> AsyncGenerator[LogChunk, None]:
     """Yield the log from `offset`, at most `limit` bytes, in chunks.
 
@@ -79,7 +79,18 @@ async def read_log_chunks(
     every `idle_tick_s` without new bytes, so a caller can send a heartbeat or notice that its
     client left. A missing file is an empty log (the job has not started yet). A chunk holds at
     most `chunk_bytes`.
+
+    With `watchers`, a follower at the end of the file waits on the file's shared watcher
+    instead of polling it; then `stop_when`, if given, replaces the idle ticks: one is yielded
+    as soon as it turns true (checked by the watcher every `IDLE_SCAN_S`).
     """
+    if follow and watchers is not None and job_is_terminal is not None:
+        async with watchers.follow(path, job_is_terminal) as watch:
+            chunks = _read_watched(path, watch, offset, limit, idle_tick_s, chunk_bytes, stop_when)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield chunk
+        return
     log_file: BinaryIO | None = None
     remaining = limit
     job_ended = False
@@ -88,10 +99,7 @@ async def read_log_chunks(
         while remaining is None or remaining > 0:
             if log_file is None:
                 log_file = await asyncio.to_thread(_open_at, path, offset)
-            data = b""
-            if log_file is not None and _has_bytes_after(log_file, offset):
-                size = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
-                data = await asyncio.to_thread(log_file.read, size)
+            data = await _read_after(log_file, offset, remaining, chunk_bytes)
             if data:
                 yield LogChunk(offset, data)
                 offset += len(data)
@@ -113,6 +121,59 @@ async def read_log_chunks(
     finally:
         if log_file is not None:
             log_file.close()
+
+
+async def _read_watched(
+    path: Path,
+    watch: LogWatch,
+    offset: int,
+    limit: int | None,
+    idle_tick_s: float | None,
+    chunk_bytes: int,
+    stop_when: Callable[[], bool] | None,
+) -> AsyncGenerator[LogChunk, None]:
+    """`read_log_chunks`' follow mode, woken by the file's watcher."""
+    log_file: BinaryIO | None = None
+    remaining = limit
+    try:
+        while remaining is None or remaining > 0:
+            # Noted before reading: a change or an end that comes during the read is not missed,
+            # and an end seen here means the read below got everything written before it.
+            generation, ended = watch.generation, watch.ended
+            if log_file is None:
+                log_file = await asyncio.to_thread(_open_at, path, offset)
+            data = await _read_after(log_file, offset, remaining, chunk_bytes)
+            if data:
+                yield LogChunk(offset, data)
+                offset += len(data)
+                if remaining is not None:
+                    remaining -= len(data)
+                continue
+            if ended:
+                return
+            wake = await watch.wait(generation, stop_when=stop_when, idle_tick_s=idle_tick_s)
+            if wake is Wake.TICK:
+                yield LogChunk(offset, b"")
+    finally:
+        if log_file is not None:
+            log_file.close()
+
+
+async def _read_after(
+    log_file: BinaryIO | None, offset: int, remaining: int | None, chunk_bytes: int
+) -> bytes:
+    """The bytes after `offset` (none if there are none or no file). A little is read on the
+    loop (a live follower's new lines, in the page cache: cheaper than a thread hop for each of
+    a thousand followers); more in a thread."""
+    if log_file is None:
+        return b""
+    available = os.fstat(log_file.fileno()).st_size - offset
+    if available <= 0:
+        return b""
+    size = chunk_bytes if remaining is None else min(chunk_bytes, remaining)
+    if available <= SMALL_READ_BYTES:
+        return log_file.read(min(size, available))
+    return await asyncio.to_thread(log_file.read, size)
 
 
 def complete_utf8_length(data: bytes) -> int:

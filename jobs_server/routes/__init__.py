@@ -2,12 +2,13 @@
 
 from aiohttp import web
 
-from jobs_server.routes import jobs, logs, packages, service, ui
+from jobs_server.routes import events, jobs, logs, packages, service, ui
 
 ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
     service.routes,
     jobs.routes,
     logs.routes,
+    events.routes,
     packages.routes,
     ui.routes,
 )

@@ -28,7 +28,7 @@ from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
 from jobs_server.request_body import describe_validation_error
-from jobs_server.streams import CLIENT_CHECK_S, open_stream
+from jobs_server.streams import CLIENT_CHECK_S, follower_should_stop, open_stream
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,12 @@ async def _text_logs(request: web.Request, query: LogQuery) -> web.StreamRespons
         headers["Content-Range"] = f"bytes {offset}-{end - 1}/{size}"
         headers["Content-Length"] = str(limit)
     chunks = await manager.read_logs(
-        job_id, offset=offset, limit=limit, follow=query.follow, idle_tick_s=CLIENT_CHECK_S
+        job_id,
+        offset=offset,
+        limit=limit,
+        follow=query.follow,
+        idle_tick_s=CLIENT_CHECK_S,
+        stop_when=follower_should_stop(request),
     )
     response = web.StreamResponse(status=status, headers=headers)
     async with open_stream(request, response) as stream:
@@ -155,7 +160,11 @@ async def tail_job_logs(request: web.Request) -> web.StreamResponse:
     byte was sent, with 1001 when the server shuts down."""
     query = _parse_query(request, LogStreamQuery)
     chunks = await request.app[JOB_MANAGER_KEY].read_logs(
-        request.match_info["job_id"], offset=query.offset, follow=True, idle_tick_s=CLIENT_CHECK_S
+        request.match_info["job_id"],
+        offset=query.offset,
+        follow=True,
+        idle_tick_s=CLIENT_CHECK_S,
+        stop_when=follower_should_stop(request),
     )
     websocket = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
     async with open_stream(request, websocket) as stream:
@@ -174,7 +183,13 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
     last_event_id = request.headers.get("Last-Event-ID")
     if last_event_id is not None:
         offset = _parse_query_value("Last-Event-ID", last_event_id)
-    chunks = await manager.read_logs(job_id, offset=offset, follow=True, idle_tick_s=CLIENT_CHECK_S)
+    chunks = await manager.read_logs(
+        job_id,
+        offset=offset,
+        follow=True,
+        idle_tick_s=CLIENT_CHECK_S,
+        stop_when=follower_should_stop(request),
+    )
     response = EventSourceResponse(ping_interval=HEARTBEAT_S)
     async with open_stream(request, response) as stream, response:
         async for text, next_offset in _texts(stream.chunks(chunks, follows=True)):

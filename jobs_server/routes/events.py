@@ -1,0 +1,134 @@
+"""`GET /api/events`: the job event stream, as Server-Sent Events or newline-delimited JSON.
+
+Each event is one change of one job (submitted, a status change, deleted) with an increasing
+id; `Last-Event-ID` (or `?after=`) resumes after it with no gap and no duplicate, also across a
+restart. An id older than the server keeps gets a `reset` event (list again, as Kubernetes'
+410 Gone), then the stream continues from now. Heartbeats every 15 s keep proxies open.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated, Any, Literal
+
+from aiohttp import web
+from aiohttp_sse import EventSourceResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from jobs_server.api_models import JobDetails
+from jobs_server.errors import InvalidRequestError
+from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.manager.event_feed import EventFilter, FeedReset
+from jobs_server.manager.events import JobEvent
+from jobs_server.manager.records import JobStatus
+from jobs_server.request_body import describe_validation_error
+from jobs_server.streams import CLIENT_CHECK_S, open_stream
+
+routes = web.RouteTableDef()
+
+HEARTBEAT_S = 15.0
+NDJSON_CONTENT_TYPE = "application/x-ndjson; charset=utf-8"
+
+
+class EventsQuery(BaseModel):
+    """Query parameters of `GET /api/events`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    after: Annotated[int, Field(ge=0)] | None = None
+    format: Literal["sse", "ndjson"] = "sse"
+    submission_id: Annotated[str, Field(min_length=1)] | None = None
+    status: str | None = None
+
+    def statuses(self) -> frozenset[JobStatus] | None:
+        if self.status is None:
+            return None
+        names = [name.strip().upper() for name in self.status.split(",") if name.strip()]
+        unknown = [name for name in names if name not in JobStatus.__members__]
+        if unknown or not names:
+            raise InvalidRequestError(
+                f"status: expected statuses among {', '.join(JobStatus)}, got {self.status!r}"
+            )
+        return frozenset(JobStatus[name] for name in names)
+
+
+@routes.get("/api/events", name="stream_events")
+async def stream_events(request: web.Request) -> web.StreamResponse:
+    query = _parse_query(request)
+    after = query.after
+    last_event_id = request.headers.get("Last-Event-ID")
+    if last_event_id is not None:  # a reconnecting EventSource: it wins over the URL's `after`
+        after = _parse_event_id(last_event_id)
+    # Tenants (issue 15) narrow this filter: the one place a key's view of events is decided.
+    event_filter = EventFilter(submission_id=query.submission_id, statuses=query.statuses())
+    items = await request.app[JOB_MANAGER_KEY].subscribe_events(
+        after=after, event_filter=event_filter, idle_tick_s=CLIENT_CHECK_S
+    )
+    if query.format == "ndjson":
+        return await _ndjson(request, items)
+    return await _sse(request, items)
+
+
+async def _sse(request: web.Request, items: Any) -> web.StreamResponse:
+    response = EventSourceResponse(ping_interval=HEARTBEAT_S)
+    async with open_stream(request, response) as stream, response:
+        async for item in stream.items(items):
+            assert item is not None  # idle ticks are not passed on
+            if isinstance(item, FeedReset):
+                await response.send(json.dumps(reset_json(item)), event="reset")
+            else:
+                await response.send(json.dumps(event_json(item)), id=str(item.id), event="job")
+    return response
+
+
+async def _ndjson(request: web.Request, items: Any) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": NDJSON_CONTENT_TYPE})
+    async with open_stream(request, response) as stream:
+        last_write = time.monotonic()
+        async for item in stream.items(items, idle=True):
+            if item is None:
+                if time.monotonic() - last_write < HEARTBEAT_S:
+                    continue
+                line: dict[str, Any] = {"type": "heartbeat", "time": int(time.time() * 1000)}
+            elif isinstance(item, FeedReset):
+                line = reset_json(item)
+            else:
+                line = event_json(item)
+            await stream.write(json.dumps(line).encode() + b"\n")
+            last_write = time.monotonic()
+    return response
+
+
+def event_json(event: JobEvent) -> dict[str, Any]:
+    """The event as the stream sends it: the job's details under `job` (null once deleted)."""
+    body = event.model_dump(mode="json", exclude={"record"})
+    body["job"] = (
+        None
+        if event.record is None
+        else JobDetails.from_record(event.record).model_dump(mode="json")
+    )
+    return body
+
+
+def reset_json(reset: FeedReset) -> dict[str, Any]:
+    return {"type": "reset", "reason": reset.reason, "oldest_id": reset.oldest_id}
+
+
+def _parse_query(request: web.Request) -> EventsQuery:
+    try:
+        return EventsQuery.model_validate(dict(request.query))
+    except ValidationError as error:
+        raise InvalidRequestError(describe_validation_error(error)) from error
+
+
+def _parse_event_id(raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidRequestError(
+            f"Last-Event-ID: expected an event id (an integer >= 0), got {raw!r}"
+        )
+    return value
