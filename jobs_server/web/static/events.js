@@ -1,5 +1,6 @@
 // Live job changes: the server's event stream (/api/events), or polling where the server has
-// none (it answers 404), so the page works either way.
+// none (404) or cannot serve it now (503: say, its job archive is off), so the page works
+// either way.
 
 import { ApiError, request } from "./api.js";
 import { followEventStream, sleep } from "./sse.js";
@@ -28,7 +29,7 @@ export async function watchJobs({ submissionId = null, onChange, signal }) {
       },
     });
   } catch (error) {
-    if (!(error instanceof ApiError && error.status === 404)) throw error;
+    if (!(error instanceof ApiError) || error.isAuthError) throw error;
     while (!signal.aborted) {
       await sleep(POLL_INTERVAL_MS, signal);
       if (!signal.aborted) onChange({ type: "poll" });
