@@ -33,6 +33,7 @@ PAGE_POLL_S = 0.02
 XSS_PAYLOADS = ("<script>alert(1)</script>", "<img src=x onerror=alert(2)>")
 STATUS_FIELD = '[data-field="status"]'
 WEB_TOKEN = f"web-{uuid.uuid4().hex}"
+expect.set_options(timeout=UI_TIMEOUT_MS)
 
 
 @pytest.fixture
@@ -177,6 +178,13 @@ async def test_the_list_and_a_job_page_follow_the_event_stream(
     await expect(page.locator(STATUS_FIELD)).to_have_text("SUCCEEDED")
     await expect(page.locator('[data-field="exit-code"]')).to_have_text("0")
     assert any("/api/events" in url for url in watch.requested_paths)
+    # Leaving the page with the question open answers it "no".
+    await page.get_by_role("button", name="Delete", exact=True).click()
+    await expect(page.get_by_role("dialog")).to_be_visible()
+    await page.go_back()
+    await expect(page.get_by_role("dialog")).to_be_hidden()
+    await expect(page.get_by_role("heading", name="Jobs")).to_be_visible()
+    assert (await fake_client.get(f"/api/jobs/{other}")).status == 200
     watch.assert_clean()
 
 
@@ -383,3 +391,20 @@ async def test_the_page_and_its_files_carry_strict_headers(
     missing = await fake_client.get("/ui/../app.py")
     assert missing.status == 404
     assert (await missing.json())["error"]["code"] == "not_found"
+
+
+async def test_with_a_token_the_page_is_public_and_says_so(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    fake_settings: Settings,
+    fake: FakeJobManager,
+) -> None:
+    """The page and its files answer without a token (the page asks for the key); the API does
+    not; the page is told to ask before calling it."""
+    secured = fake_settings.model_copy(update={"auth_token": SecretStr(WEB_TOKEN)})
+    client = await aiohttp_client(create_app(secured, backend=fake.backend()))
+    page = await client.get("/")
+    assert page.status == 200
+    assert 'data-auth="on"' in await page.text()
+    assert (await client.get("/ui/app.js")).status == 200
+    assert (await client.get("/api/jobs/")).status == 401
+    assert (await client.get("/uiX/app.js")).status == 401  # the exemption is the prefix /ui/

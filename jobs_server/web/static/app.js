@@ -36,6 +36,9 @@ function onError(error) {
 function route() {
   current?.abort();
   current = new AbortController();
+  // A question about the view left behind is no longer asked (it answers "no").
+  const confirmDialog = document.getElementById("confirm-dialog");
+  if (confirmDialog.open) confirmDialog.close();
   if (authRequired() && !storedKey()) {
     askForKey();
     return;

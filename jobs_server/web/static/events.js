@@ -16,13 +16,20 @@ export async function watchJobs({ submissionId = null, onChange, signal }) {
   const query = new URLSearchParams();
   if (submissionId) query.set("submission_id", submissionId);
   const url = `/api/events${query.size ? `?${query}` : ""}`;
+  let opened = false;
   try {
     await followEventStream({
       signal,
-      open: (lastId) => request(url, {
-        signal,
-        headers: { Accept: "text/event-stream", ...(lastId ? { "Last-Event-ID": lastId } : {}) },
-      }),
+      open: async (lastId) => {
+        const response = await request(url, {
+          signal,
+          headers: { Accept: "text/event-stream", ...(lastId ? { "Last-Event-ID": lastId } : {}) },
+        });
+        // Reconnected with no id to resume from: changes in the gap are unknown, list again.
+        if (opened && !lastId) onChange({ type: "reset" });
+        opened = true;
+        return response;
+      },
       onEvent: (event) => {
         if (event.type === "job" || event.type === "reset") onChange(JSON.parse(event.data));
         return false;
