@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
+from jobs_server.manager.events import JobEvent
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -219,6 +220,45 @@ class JobDetails(BaseModel):
             entrypoint_resources=spec.entrypoint_resources or None,
             timeout_s=spec.timeout_s,
         )
+
+
+class StreamedJobEvent(BaseModel):
+    """A job event as `GET /api/events` sends it: the job's details under `job`."""
+
+    id: int
+    type: Literal["submitted", "status", "deleted"]
+    submission_id: str
+    tenant: str | None
+    status: JobStatus | None
+    message: str | None
+    time: int
+    job: JobDetails | None
+
+    @classmethod
+    def from_event(cls, event: JobEvent) -> StreamedJobEvent:
+        return cls(
+            id=event.id,
+            type=event.type.value,
+            submission_id=event.submission_id,
+            tenant=event.tenant,
+            status=event.status,
+            message=event.message,
+            time=event.time,
+            job=None if event.record is None else JobDetails.from_record(event.record),
+        )
+
+
+class EventStreamReset(BaseModel):
+    """The resume point is no longer kept: list again, then follow from now."""
+
+    type: Literal["reset"] = "reset"
+    reason: str
+    oldest_id: int
+
+
+class EventStreamHeartbeat(BaseModel):
+    type: Literal["heartbeat"] = "heartbeat"
+    time: int
 
 
 class ErrorDetail(BaseModel):

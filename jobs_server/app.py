@@ -39,6 +39,8 @@ from jobs_server.manager import (
     registration_address,
     watch_cluster,
 )
+from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
@@ -154,13 +156,27 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     )
     if sigterm_handler is not None:
         signal.signal(signal.SIGTERM, sigterm_handler)
+    # The archive wakes the event feed after each commit; the feed reads gaps back from it.
+    archive = Archive(
+        archive_path(settings.state_dir), on_events=lambda events: event_feed.publish(events)
+    )
+    event_feed = EventFeed(archive)
+    await archive.open()
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
+        archive=archive,
+        event_feed=event_feed,
         log_dir=settings.log_dir,
         stop_grace_s=settings.stop_grace_s,
         job_start_timeout_s=settings.job_start_timeout_s,
         shared_supervisors=settings.shared_supervisors,
+        # Bounded like the rest of a graceful stop.
+        stop_jobs_on_close_s=(
+            max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)
+            if connection.embedded
+            else None
+        ),
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(
@@ -177,8 +193,11 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await manager.close()
-        await asyncio.to_thread(disconnect_from_ray, connection)
+        try:
+            await manager.close()
+        finally:
+            await archive.close()
+            await asyncio.to_thread(disconnect_from_ray, connection)
 
 
 def _cluster_watch(

@@ -89,12 +89,10 @@ class OpenStream:
                 if chunk.data:
                     yield chunk
 
-    async def items(
-        self, source: AsyncGenerator[ItemT | None, None], *, idle: bool = False
-    ) -> AsyncGenerator[ItemT | None, None]:
+    async def items(self, source: AsyncGenerator[ItemT, None]) -> AsyncGenerator[ItemT, None]:
         """The items of an endless feed (the event stream) until the client leaves or the server
-        shuts down; None is an idle tick, passed on only with `idle` (for a heartbeat). The
-        source is closed however this ends."""
+        shuts down; the feed's idle ticks are when a quiet stream notices either. The source is
+        closed however this ends."""
         async with contextlib.aclosing(source):
             if self._request.method == "HEAD":
                 return
@@ -102,8 +100,7 @@ class OpenStream:
                 if self.client_left() or self.shutting_down:
                     self.cut_short = True
                     return
-                if item is not None or idle:
-                    yield item
+                yield item
 
     async def serve_websocket(
         self, websocket: web.WebSocketResponse, texts: AsyncIterable[str]

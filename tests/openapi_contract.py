@@ -199,6 +199,13 @@ class Contract:
         if media_type in _TEXT_MEDIA_TYPES:
             # A text body is a string by the document; it must at least be text.
             return body.decode("utf-8", errors="strict")
+        if media_type == "application/x-ndjson":  # each line is one JSON document
+            schema_pointer = f"{pointer}/content/{_escape(media_type)}/schema"
+            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            for line in lines:
+                errors = self.schema_errors(schema_pointer, line)
+                assert not errors, f"{where}: a line does not match the document: {errors}"
+            return lines
         assert media_type == "application/json", f"cannot check a {media_type} body"
         try:
             data = json.loads(body)

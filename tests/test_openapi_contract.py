@@ -73,7 +73,7 @@ def test_document_is_valid_openapi() -> None:
 
 
 def test_document_lists_exactly_the_routes(tmp_path: Path, contract: Contract) -> None:
-    app = create_app(Settings(port=0, log_dir=tmp_path / "logs"))
+    app = create_app(Settings(port=0, state_dir=tmp_path / "state", log_dir=tmp_path / "logs"))
     routed = set()
     for route in app.router.routes():
         if route.method == "HEAD":  # aiohttp adds one to every GET
@@ -127,6 +127,15 @@ class Exchange:
             )
         assert response.status == expect, f"{method} {path}: {response.status}: {body!r}"
         return data
+
+    async def call_stream(self, path: str, *, lines: int, **request: Any) -> Any:
+        """GET an endless stream, check its first `lines` lines against the document."""
+        async with self.client.get(path, **request) as response:
+            body = b"".join([await response.content.readline() for _ in range(lines)])
+            assert response.status == 200, f"GET {path}: {response.status}: {body!r}"
+            return self.contract.check_response(
+                "GET", path, response.status, response.headers, body
+            )
 
 
 def _tiny_zip() -> bytes:
@@ -218,6 +227,12 @@ async def test_responses_match_the_document(
     await api.call("GET", stream, headers={"Last-Event-ID": "x"}, expect=400)
     finished_stop = await api.call("POST", f"/api/jobs/{finished_id}/stop", expect=200)
     assert finished_stop == {"stopped": False}
+
+    events = await api.call_stream("/api/events?format=ndjson&after=0", lines=3)
+    assert [event["type"] for event in events][:1] == ["submitted"]
+    sse = await api.call_stream(f"/api/events?after=0&submission_id={finished_id}", lines=3)
+    assert sse.startswith("id: ")
+    await api.call("GET", "/api/events?status=NOPE", expect=400)
 
     tail = f"/api/jobs/{finished_id}/logs/tail"
     await api.call("GET", tail, headers=WEBSOCKET_HANDSHAKE, expect=101)

@@ -8,15 +8,15 @@ restart. An id older than the server keeps gets a `reset` event (list again, as 
 
 from __future__ import annotations
 
-import json
 import time
-from typing import Annotated, Any, Literal
+from collections.abc import AsyncGenerator
+from typing import Annotated, Literal
 
 from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from jobs_server.api_models import JobDetails
+from jobs_server.api_models import EventStreamHeartbeat, EventStreamReset, StreamedJobEvent
 from jobs_server.errors import InvalidRequestError
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.event_feed import EventFilter, FeedReset
@@ -26,6 +26,8 @@ from jobs_server.request_body import describe_validation_error
 from jobs_server.streams import CLIENT_CHECK_S, open_stream
 
 routes = web.RouteTableDef()
+
+FeedItems = AsyncGenerator[JobEvent | FeedReset | None, None]
 
 HEARTBEAT_S = 15.0
 NDJSON_CONTENT_TYPE = "application/x-ndjson; charset=utf-8"
@@ -70,49 +72,44 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     return await _sse(request, items)
 
 
-async def _sse(request: web.Request, items: Any) -> web.StreamResponse:
+async def _sse(request: web.Request, items: FeedItems) -> web.StreamResponse:
     response = EventSourceResponse(ping_interval=HEARTBEAT_S)
     async with open_stream(request, response) as stream, response:
         async for item in stream.items(items):
-            assert item is not None  # idle ticks are not passed on
+            if item is None:  # an idle tick: aiohttp-sse sends the pings itself
+                continue
             if isinstance(item, FeedReset):
-                await response.send(json.dumps(reset_json(item)), event="reset")
+                await response.send(reset_json(item), event="reset")
             else:
-                await response.send(json.dumps(event_json(item)), id=str(item.id), event="job")
+                await response.send(event_json(item), id=str(item.id), event="job")
     return response
 
 
-async def _ndjson(request: web.Request, items: Any) -> web.StreamResponse:
+async def _ndjson(request: web.Request, items: FeedItems) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": NDJSON_CONTENT_TYPE})
     async with open_stream(request, response) as stream:
         last_write = time.monotonic()
-        async for item in stream.items(items, idle=True):
+        async for item in stream.items(items):
             if item is None:
                 if time.monotonic() - last_write < HEARTBEAT_S:
                     continue
-                line: dict[str, Any] = {"type": "heartbeat", "time": int(time.time() * 1000)}
+                line = EventStreamHeartbeat(time=int(time.time() * 1000)).model_dump_json()
             elif isinstance(item, FeedReset):
                 line = reset_json(item)
             else:
                 line = event_json(item)
-            await stream.write(json.dumps(line).encode() + b"\n")
+            await stream.write(line.encode() + b"\n")
             last_write = time.monotonic()
     return response
 
 
-def event_json(event: JobEvent) -> dict[str, Any]:
+def event_json(event: JobEvent) -> str:
     """The event as the stream sends it: the job's details under `job` (null once deleted)."""
-    body = event.model_dump(mode="json", exclude={"record"})
-    body["job"] = (
-        None
-        if event.record is None
-        else JobDetails.from_record(event.record).model_dump(mode="json")
-    )
-    return body
+    return StreamedJobEvent.from_event(event).model_dump_json()
 
 
-def reset_json(reset: FeedReset) -> dict[str, Any]:
-    return {"type": "reset", "reason": reset.reason, "oldest_id": reset.oldest_id}
+def reset_json(reset: FeedReset) -> str:
+    return EventStreamReset(reason=reset.reason, oldest_id=reset.oldest_id).model_dump_json()
 
 
 def _parse_query(request: web.Request) -> EventsQuery:
