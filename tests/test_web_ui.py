@@ -347,6 +347,9 @@ async def test_with_a_token_the_page_asks_for_a_key(
     await expect(page.locator("#job-log")).to_have_text("secret-output\n")
     await page.reload()  # the key stays for the tab
     await expect(page.locator("#job-log")).to_have_text("secret-output\n")
+    async with page.expect_download() as download_info:  # a link cannot send the key
+        await page.get_by_role("link", name="Download log").click()
+    assert (await (await download_info.value).path()).read_text() == "secret-output\n"
     await page.get_by_role("button", name="Forget key").click()
     await expect(key_input).to_be_visible()
     watch.assert_clean(allowed_console=re.compile(r"status of 403 .*/api/jobs/"))
