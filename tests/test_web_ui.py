@@ -133,6 +133,10 @@ async def test_the_list_shows_jobs_and_updates_live(
     await page.get_by_label("Search id or metadata").fill("ml")
     await expect(page.locator("tbody tr")).to_have_count(1)
     await expect(job_row(page, live)).to_be_visible()
+    await page.get_by_label("Search id or metadata").fill("team=web")  # asks the server
+    await expect(job_row(page, finished)).to_be_visible()
+    await expect(page.locator("tbody tr")).to_have_count(1)
+    assert any("metadata.team=web" in url for url in watch.requested_paths)
     await page.get_by_label("Search id or metadata").fill("")
     await page.get_by_role("link", name=finished).click()
     await expect(page.locator(STATUS_FIELD)).to_have_text("SUCCEEDED")

@@ -27,7 +27,7 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
     STATUSES.map((status) => el("option", { value: status }, status)));
   const search = el("input", {
     id: "job-search", type: "search", name: "search", autocomplete: "off",
-    placeholder: "id, key or value",
+    placeholder: "text, or key=value",
   });
   const previous = el("button", { type: "button", id: "previous-page" }, "Previous page");
   const next = el("button", { type: "button", id: "next-page" }, "Next page");
@@ -51,9 +51,16 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
     table, empty,
     el("nav", { class: "pager", "aria-label": "Pages" }, previous, pageLabel, next));
 
+  // `key=value` asks the server for the jobs with that metadata (every page); anything else
+  // narrows the page on screen to ids, keys and values that contain it.
+  function metadataFilter() {
+    const match = state.search.trim().match(/^([^=\s]+)=(.*)$/);
+    return match ? [match[1], match[2]] : null;
+  }
+
   function matches(job) {
     const needle = state.search.trim().toLowerCase();
-    if (!needle) return true;
+    if (!needle || metadataFilter()) return true;
     const haystack = [job.submission_id, ...Object.entries(job.metadata ?? {}).flat()];
     return haystack.some((text) => String(text).toLowerCase().includes(needle));
   }
@@ -85,6 +92,8 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
   async function load() {
     const query = new URLSearchParams({ limit: String(state.limit) });
     if (state.status) query.set("status", state.status);
+    const metadata = metadataFilter();
+    if (metadata) query.set(`metadata.${metadata[0]}`, metadata[1]);
     const after = state.pageStarts[state.pageStarts.length - 1];
     if (after) query.set("after", after);
     try {
@@ -120,7 +129,16 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
     state.pageStarts = [null];
     load();
   });
-  search.addEventListener("input", () => { state.search = search.value; render(); });
+  search.addEventListener("input", () => {
+    const askedServer = metadataFilter() !== null;
+    state.search = search.value;
+    if (askedServer || metadataFilter()) {
+      state.pageStarts = [null];
+      reloadSoon();
+    } else {
+      render();
+    }
+  });
   next.addEventListener("click", () => { state.pageStarts.push(state.next); load(); });
   previous.addEventListener("click", () => { state.pageStarts.pop(); load(); });
 
