@@ -94,8 +94,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(500, "internal_error", "The server failed to handle the request.")
 
 
-# Probes must answer without credentials; nothing they say is secret.
-UNAUTHENTICATED_PATHS = frozenset({"/api/healthz"})
+# Probes must answer without credentials; nothing they say is secret. The web page and its
+# files are public too: the page asks for the key, and every API call it makes carries it.
+UNAUTHENTICATED_PATHS = frozenset({"/api/healthz", "/"})
+UNAUTHENTICATED_PREFIXES = ("/ui/",)
 # Methods that change something: what a cross-site browser request must not do.
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
@@ -106,7 +108,11 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     expected = request.app[ACCESS_POLICY_KEY].token
     request[AUTHENTICATED_KEY] = False
     # A CORS preflight carries no credentials by design; it only asks what is allowed.
-    exempt = request.path in UNAUTHENTICATED_PATHS or request.method == "OPTIONS"
+    exempt = (
+        request.path in UNAUTHENTICATED_PATHS
+        or request.path.startswith(UNAUTHENTICATED_PREFIXES)
+        or request.method == "OPTIONS"
+    )
     if expected is not None and not exempt:
         given = token_from_headers(request.headers)
         if given is None:

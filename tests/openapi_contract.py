@@ -223,7 +223,16 @@ class Contract:
         return data
 
 
-_TEXT_MEDIA_TYPES = frozenset({"text/plain", "text/event-stream", "application/yaml"})
+_TEXT_MEDIA_TYPES = frozenset(
+    {
+        "text/plain",
+        "text/event-stream",
+        "application/yaml",
+        "text/html",
+        "text/javascript",
+        "text/css",
+    }
+)
 
 
 def _excerpt(body: bytes | None) -> str:

@@ -46,6 +46,8 @@ NOT_PROVOKED = {
     "401": "needs a server with a token: test_token_answers_match_the_document",
     "403": "needs a server with a token: test_token_answers_match_the_document",
 }
+# What answers without a token: the probe, and the web page (it asks for the key itself).
+PUBLIC_OPERATIONS = {"healthz", "web_page", "web_asset"}
 WEBSOCKET_HANDSHAKE = {
     "Connection": "Upgrade",
     "Upgrade": "websocket",
@@ -154,6 +156,10 @@ async def test_responses_match_the_document(
     served = await api.call("GET", "/api/openapi.yaml", expect=200)
     assert yaml.safe_load(served) == contract.spec
     await api.call("GET", "/api/jobs/?status=NOPE", expect=400)
+    assert "<html" in await api.call("GET", "/", expect=200)
+    assert "import" in await api.call("GET", "/ui/app.js", expect=200)
+    assert "body" in await api.call("GET", "/ui/style.css", expect=200)
+    await api.call("GET", "/ui/nope.js", expect=404)
     await api.call("GET", "/api/jobs/?status=RUNNING&limit=1", expect=200)
 
     # Submissions the server refuses.
@@ -277,7 +283,9 @@ async def test_responses_match_the_document(
     # Requests no route serves.
     assert (await api.call("GET", "/api/job", expect=404))["error"]["code"] == "not_found"
     for template in contract.spec["paths"]:
-        path = template.format(job_id="any", protocol="gcs", package_name="any.zip")
+        path = template.format(
+            job_id="any", protocol="gcs", package_name="any.zip", file_name="app.js"
+        )
         await api.call("PATCH", path, expect=405)
 
     unprovoked = {
@@ -295,17 +303,19 @@ async def test_token_answers_match_the_document(
     fake: FakeJobManager,
     contract: Contract,
 ) -> None:
-    """On a server with a token, every operation but the probe answers 401 without it and 403
-    with a wrong one, as documented; a cross-site browser gets 403 too. (No request gets past
-    the token, so the app runs on the fake manager: no Ray.)"""
+    """On a server with a token, every operation but the probe and the web page answers 401
+    without it and 403 with a wrong one, as documented; a cross-site browser gets 403 too. (No
+    request gets past the token, so the app runs on the fake manager: no Ray.)"""
     secured = fake_settings.model_copy(update={"auth_token": SecretStr("contract-token")})
     api = Exchange(await aiohttp_client(create_app(secured, backend=fake.backend())), contract)
     for template, path_item in contract.spec["paths"].items():
-        path = template.format(job_id="any", protocol="gcs", package_name="_ray_pkg_00ff.zip")
+        path = template.format(
+            job_id="any", protocol="gcs", package_name="_ray_pkg_00ff.zip", file_name="app.js"
+        )
         for method in HTTP_METHODS:
             if method not in path_item:
                 continue
-            if path_item[method]["operationId"] == "healthz":
+            if path_item[method]["operationId"] in PUBLIC_OPERATIONS:
                 await api.call("GET", path, expect=200)
                 continue
             missing = await api.call(method.upper(), path, expect=401)
@@ -327,6 +337,6 @@ async def test_token_answers_match_the_document(
         for path_item in contract.spec["paths"].values()
         for method in HTTP_METHODS
         if method in path_item
-    } - {"healthz"}
+    } - PUBLIC_OPERATIONS
     assert {(operation, "401") for operation in operations} <= contract.exercised
     assert {(operation, "403") for operation in operations} <= contract.exercised

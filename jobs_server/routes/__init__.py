@@ -2,7 +2,7 @@
 
 from aiohttp import web
 
-from jobs_server.routes import events, jobs, logs, packages, service
+from jobs_server.routes import events, jobs, logs, packages, service, ui
 
 ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
     service.routes,
@@ -10,6 +10,7 @@ ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
     logs.routes,
     events.routes,
     packages.routes,
+    ui.routes,
 )
 
 __all__ = ["ROUTE_TABLES"]

@@ -1,0 +1,156 @@
+// One job: its details, its log following live (SSE, resumed by byte offset), a download,
+// Stop and Delete behind a confirmation, the exit code and the message.
+
+import { authHeaders, getJson, jobPath, request, sendJson } from "./api.js";
+import { announce, confirmAction, el, formatTime, replaceChildren, statusBadge } from "./dom.js";
+import { watchJobs } from "./events.js";
+import { followEventStream } from "./sse.js";
+
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "STOPPED"]);
+
+export function renderJob(main, jobId, { signal, onError }) {
+  const heading = el("h1", {}, "Job ", el("code", {}, jobId));
+  const details = el("dl", { class: "details", id: "job-details" });
+  const stop = el("button", { type: "button", id: "stop-job", class: "danger" }, "Stop");
+  const remove = el("button", { type: "button", id: "delete-job", class: "danger" }, "Delete");
+  const download = el("a", {
+    href: `${jobPath(jobId)}/logs?format=text`, download: `${jobId}.log`, id: "download-log",
+  }, "Download log");
+  const error = el("p", { class: "error", role: "alert", id: "job-error" });
+  const log = el("pre", { id: "job-log", class: "log", tabindex: "0", "aria-label": "Log" });
+  const logState = el("p", { id: "log-state", class: "log-state" }, "Following the log…");
+  let job = null;
+
+  replaceChildren(main, heading, error, details,
+    el("div", { class: "actions" }, stop, remove, download),
+    el("h2", {}, "Log"), logState, log);
+
+  function renderDetails() {
+    const rows = [
+      ["Status", statusBadge(job.status)],
+      ["Message", job.message ?? ""],
+      ["Exit code", job.driver_exit_code ?? ""],
+      ["Entrypoint", el("code", {}, job.entrypoint)],
+      ["Submission id", job.submission_id],
+      ["Started", formatTime(job.start_time)],
+      ["Ended", formatTime(job.end_time)],
+      ["Metadata", Object.entries(job.metadata ?? {}).map(([key, value]) =>
+        el("span", { class: "tag" }, `${key}=${value}`))],
+      ["Runtime env", el("code", {}, JSON.stringify(job.runtime_env ?? {}))],
+    ];
+    replaceChildren(details, rows.flatMap(([name, value]) => [
+      el("dt", {}, name),
+      el("dd", { "data-field": name.toLowerCase().replaceAll(" ", "-") }, value),
+    ]));
+    const terminal = TERMINAL.has(job.status);
+    stop.disabled = terminal;
+    remove.disabled = !terminal;
+  }
+
+  async function refresh() {
+    try {
+      const previous = job?.status;
+      job = await getJson(jobPath(jobId), { signal });
+      renderDetails();
+      if (previous && previous !== job.status) announce(`Job ${jobId} is ${job.status}`);
+    } catch (failure) {
+      if (!signal.aborted) onError(failure);
+    }
+  }
+
+  async function followLog() {
+    await followEventStream({
+      signal,
+      open: (lastOffset) => request(`${jobPath(jobId)}/logs/stream`, {
+        signal,
+        headers: { Accept: "text/event-stream", ...(lastOffset ? { "Last-Event-ID": lastOffset } : {}) },
+      }),
+      onEvent: (event) => {
+        if (event.type === "end") {
+          logState.textContent = "The job has ended; this is its whole log.";
+          refresh();
+          return true;
+        }
+        log.append(JSON.parse(event.data)); // a text node: output is shown, never run
+        if (log.dataset.follow !== "off") log.scrollTop = log.scrollHeight;
+        return false;
+      },
+    });
+  }
+
+  // Stop following the bottom while the reader scrolls up; follow again at the bottom.
+  log.addEventListener("scroll", () => {
+    const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 4;
+    log.dataset.follow = atBottom ? "on" : "off";
+  });
+
+  stop.addEventListener("click", async () => {
+    const confirmed = await confirmAction({
+      title: "Stop this job?",
+      text: `Job ${jobId} gets SIGTERM, then SIGKILL after the grace period.`,
+      confirmLabel: "Stop job",
+    });
+    if (!confirmed) return;
+    try {
+      const { stopped } = await sendJson("POST", `${jobPath(jobId)}/stop`);
+      announce(stopped ? `Stopping job ${jobId}` : `Job ${jobId} had already ended`);
+      await refresh();
+    } catch (failure) {
+      error.textContent = failure.message;
+    }
+  });
+
+  remove.addEventListener("click", async () => {
+    const confirmed = await confirmAction({
+      title: "Delete this job?",
+      text: `Job ${jobId} and its log are deleted for good.`,
+      confirmLabel: "Delete job",
+    });
+    if (!confirmed) return;
+    try {
+      await sendJson("DELETE", jobPath(jobId));
+      announce(`Deleted job ${jobId}`);
+      location.hash = "#/";
+    } catch (failure) {
+      error.textContent = failure.message;
+    }
+  });
+
+  // A link cannot carry the key: fetch the log with it and hand the browser the bytes.
+  download.addEventListener("click", async (event) => {
+    if (!authHeaders().Authorization) return; // no key: the plain link works
+    event.preventDefault();
+    try {
+      const blob = await (await request(download.getAttribute("href"))).blob();
+      const url = URL.createObjectURL(blob);
+      const link = el("a", { href: url, download: `${jobId}.log`, hidden: true });
+      document.body.append(link);
+      link.click();
+      link.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 0);
+    } catch (failure) {
+      error.textContent = failure.message;
+    }
+  });
+
+  refresh()
+    .then(() => {
+      if (!job) return;
+      followLog().catch((failure) => { if (!signal.aborted) onError(failure); });
+      return watchJobs({
+        submissionId: jobId,
+        signal,
+        onChange: (event) => {
+          if (event.type === "deleted") {
+            error.textContent = "This job was deleted.";
+          } else if (event.job) {
+            job = event.job;
+            renderDetails();
+          } else if (!TERMINAL.has(job.status) || event.type === "reset") {
+            refresh();
+          }
+        },
+      });
+    })
+    .catch((failure) => { if (!signal.aborted) onError(failure); });
+}
