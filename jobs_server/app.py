@@ -13,11 +13,13 @@ import aiohttp_cors
 from aiohttp import web
 
 from jobs_server.auth import AccessPolicy, resolve_auth_token
+from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
     CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
+    DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
     METRICS_KEY,
@@ -25,6 +27,7 @@ from jobs_server.keys import (
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
     SHUTTING_DOWN_KEY,
+    UPLOAD_BUDGET_KEY,
 )
 from jobs_server.manager import (
     Backend,
@@ -49,6 +52,7 @@ from jobs_server.middlewares import (
 )
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
+from jobs_server.upload_budget import UploadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,11 @@ def create_app(
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
+    # TODO(h-archive merge): guard settings.state_dir and log_dir once state_dir exists.
+    app[DISK_GUARD_KEY] = DiskGuard(
+        [settings.log_dir.parent, settings.log_dir], settings.min_free_disk_bytes
+    )
+    app[UPLOAD_BUDGET_KEY] = UploadBudget(settings.upload_bytes_in_flight_limit)
     app.on_shutdown.append(_end_log_streams)
     if backend is None:
         app.cleanup_ctx.append(_ray_backend)
