@@ -1,0 +1,489 @@
+"""The job history on the head's disk: a SQLite database (WAL) at `<state-dir>/jobs.db`.
+
+Every job accepted is a row from its submit on (before the POST is answered), and every status
+the server learns is written to it, with its event in the same transaction (`EventLog`). The GCS
+KV only coordinates live jobs with their supervisors; the archive is what survives a restart of
+the server or of the whole cluster.
+
+One connection, used from one dedicated thread (sqlite3 objects are not shared between threads);
+the event loop never waits on the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from jobs_server.errors import DuplicateJobError
+from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.records import JobRecord, JobStatus, now_ms
+
+logger = logging.getLogger(__name__)
+
+ARCHIVE_FILE_NAME = "jobs.db"
+# Events kept: the newest this many (a client further behind lists again, as after a 410).
+DEFAULT_MAX_EVENTS = 100_000
+# Rows read per batch when the whole list is streamed.
+STREAM_BATCH_ROWS = 500
+
+_T = TypeVar("_T")
+
+# Each entry moves the schema one version up (PRAGMA user_version); never edit a released one.
+_MIGRATIONS: tuple[str, ...] = (
+    """
+    CREATE TABLE jobs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        submission_id TEXT NOT NULL UNIQUE,
+        run_id TEXT NOT NULL,
+        tenant TEXT,
+        status TEXT NOT NULL,
+        start_time INTEGER,
+        end_time INTEGER,
+        record TEXT NOT NULL
+    );
+    CREATE INDEX jobs_status_seq ON jobs (status, seq);
+    CREATE INDEX jobs_start_time ON jobs (start_time);
+    CREATE INDEX jobs_end_time ON jobs (end_time);
+    CREATE TABLE job_metadata (
+        seq INTEGER NOT NULL REFERENCES jobs (seq) ON DELETE CASCADE,
+        key TEXT NOT NULL,
+        value TEXT NOT NULL,
+        PRIMARY KEY (seq, key)
+    );
+    CREATE INDEX job_metadata_key_value ON job_metadata (key, value, seq);
+    CREATE TABLE events (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        type TEXT NOT NULL,
+        submission_id TEXT NOT NULL,
+        tenant TEXT,
+        status TEXT,
+        message TEXT,
+        time INTEGER NOT NULL,
+        record TEXT
+    );
+    """,
+)
+
+_TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
+
+
+@dataclass(frozen=True)
+class JobQuery:
+    """A filtered, ordered page of the history."""
+
+    statuses: frozenset[JobStatus] | None = None
+    submitted_after: int | None = None
+    """Unix ms, exclusive."""
+    submitted_before: int | None = None
+    """Unix ms, exclusive."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    """Exact matches, all of them."""
+    descending: bool = False
+
+
+class UnknownCursorError(Exception):
+    """The `after` job of a page is not in the archive."""
+
+
+class Archive:
+    """The jobs table and its events. Open with `open()`, close with `close()`."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        on_events: Callable[[list[JobEvent]], None] | None = None,
+        max_events: int = DEFAULT_MAX_EVENTS,
+    ) -> None:
+        self.path = path
+        self._on_events = on_events
+        self._max_events = max_events
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive")
+        self._db: sqlite3.Connection | None = None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        await self._run(self._open)
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA journal_mode=WAL")
+        # WAL with NORMAL loses at most the last commits on a power cut, never consistency;
+        # FULL: an accepted job is on disk before the POST is answered.
+        db.execute("PRAGMA synchronous=FULL")
+        db.execute("PRAGMA foreign_keys=ON")
+        db.execute("PRAGMA busy_timeout=5000")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(_MIGRATIONS):
+            db.close()
+            raise RuntimeError(
+                f"{self.path} has schema version {version}, newer than this server knows "
+                f"({len(_MIGRATIONS)}): a newer jobs-server wrote it."
+            )
+        for number, script in enumerate(_MIGRATIONS[version:], start=version + 1):
+            db.executescript(f"BEGIN; {script}; PRAGMA user_version = {number}; COMMIT;")
+            logger.info("archive %s migrated to schema version %d", self.path, number)
+        self._db = db
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(self._db.close)
+            self._db = None
+        self._executor.shutdown(wait=True)
+
+    async def _run(self, function: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    def _conn(self) -> sqlite3.Connection:
+        if self._db is None:
+            raise RuntimeError("the archive is not open")
+        return self._db
+
+    def _notify(self, events: list[JobEvent]) -> None:
+        if events and self._on_events is not None:
+            try:
+                self._on_events(events)
+            except Exception:
+                logger.exception("an events subscriber failed")
+
+    # -- writes -----------------------------------------------------------------------------
+
+    async def insert(self, record: JobRecord, *, tenant: str | None = None) -> None:
+        """Record a new job; DuplicateJobError if its submission_id is in the archive."""
+        self._notify(await self._run(self._insert, record, tenant))
+
+    def _insert(self, record: JobRecord, tenant: str | None) -> list[JobEvent]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            try:
+                cursor = db.execute(
+                    "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
+                    " end_time, record) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        record.submission_id,
+                        record.run_id,
+                        tenant,
+                        record.status.value,
+                        record.start_time,
+                        record.end_time,
+                        record.model_dump_json(),
+                    ),
+                )
+            except sqlite3.IntegrityError:
+                raise DuplicateJobError(record.submission_id) from None
+            db.executemany(
+                "INSERT INTO job_metadata (seq, key, value) VALUES (?, ?, ?)",
+                [(cursor.lastrowid, key, value) for key, value in record.spec.metadata.items()],
+            )
+            events = [self._event(db, JobEventType.SUBMITTED, record, tenant)]
+            if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
+                events.append(self._event(db, JobEventType.STATUS, record, tenant))
+            self._trim_events(db)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return events
+
+    async def update(self, record: JobRecord) -> JobRecord | None:
+        """Store what the server learned of the run `record`; an event if its status changed.
+        A terminal row never changes (the first terminal status wins, as in the KV). Returns
+        the row as stored, None if the run is not in the archive (deleted, or another run)."""
+        stored, events = await self._run(self._update, record)
+        self._notify(events)
+        return stored
+
+    def _update(self, record: JobRecord) -> tuple[JobRecord | None, list[JobEvent]]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            row = db.execute(
+                "SELECT status, record, tenant FROM jobs WHERE submission_id = ? AND run_id = ?",
+                (record.submission_id, record.run_id),
+            ).fetchone()
+            if row is None:
+                db.execute("COMMIT")
+                return None, []
+            status, text, tenant = row
+            if JobStatus(status).is_terminal():
+                db.execute("COMMIT")
+                return JobRecord.model_validate_json(text), []
+            db.execute(
+                "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
+                " WHERE submission_id = ? AND run_id = ?",
+                (
+                    record.status.value,
+                    record.start_time,
+                    record.end_time,
+                    record.model_dump_json(),
+                    record.submission_id,
+                    record.run_id,
+                ),
+            )
+            events = []
+            if record.status.value != status:
+                events.append(self._event(db, JobEventType.STATUS, record, tenant))
+                self._trim_events(db)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return record, events
+
+    async def delete(self, submission_id: str, run_id: str | None = None) -> bool:
+        """Forget a job (its run `run_id`, if given); whether there was one."""
+        deleted, events = await self._run(self._delete, submission_id, run_id)
+        self._notify(events)
+        return deleted
+
+    def _delete(self, submission_id: str, run_id: str | None) -> tuple[bool, list[JobEvent]]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            row = db.execute(
+                "SELECT run_id, tenant FROM jobs WHERE submission_id = ?", (submission_id,)
+            ).fetchone()
+            if row is None or (run_id is not None and row[0] != run_id):
+                db.execute("COMMIT")
+                return False, []
+            db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
+            event = self._add_event(
+                db, JobEventType.DELETED, submission_id, row[1], None, None, None
+            )
+            self._trim_events(db)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return True, [event]
+
+    def _event(
+        self, db: sqlite3.Connection, type_: JobEventType, record: JobRecord, tenant: str | None
+    ) -> JobEvent:
+        return self._add_event(
+            db, type_, record.submission_id, tenant, record.status, record.message, record
+        )
+
+    def _add_event(
+        self,
+        db: sqlite3.Connection,
+        type_: JobEventType,
+        submission_id: str,
+        tenant: str | None,
+        status: JobStatus | None,
+        message: str | None,
+        record: JobRecord | None,
+    ) -> JobEvent:
+        time = now_ms()
+        cursor = db.execute(
+            "INSERT INTO events (type, submission_id, tenant, status, message, time, record)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                type_.value,
+                submission_id,
+                tenant,
+                None if status is None else status.value,
+                message,
+                time,
+                None if record is None else record.model_dump_json(),
+            ),
+        )
+        assert cursor.lastrowid is not None
+        return JobEvent(
+            id=cursor.lastrowid,
+            type=type_,
+            submission_id=submission_id,
+            tenant=tenant,
+            status=status,
+            message=message,
+            time=time,
+            record=record,
+        )
+
+    def _trim_events(self, db: sqlite3.Connection) -> None:
+        # The id is the primary key: this is a range delete of the oldest, not a scan.
+        db.execute(
+            "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?",
+            (self._max_events,),
+        )
+
+    # -- reads ------------------------------------------------------------------------------
+
+    async def get(self, submission_id: str) -> JobRecord | None:
+        return await self._run(self._get, submission_id)
+
+    def _get(self, submission_id: str) -> JobRecord | None:
+        row = (
+            self._conn()
+            .execute("SELECT record FROM jobs WHERE submission_id = ?", (submission_id,))
+            .fetchone()
+        )
+        return None if row is None else JobRecord.model_validate_json(row[0])
+
+    async def unfinished(self) -> list[JobRecord]:
+        """Every job not yet terminal, in submission order (what recovery reconciles)."""
+        return await self._run(self._unfinished)
+
+    def _unfinished(self) -> list[JobRecord]:
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT record FROM jobs WHERE status NOT IN (?, ?, ?) ORDER BY seq", _TERMINAL
+            )
+            .fetchall()
+        )
+        return [JobRecord.model_validate_json(text) for (text,) in rows]
+
+    async def page(
+        self, query: JobQuery, *, after: str | None = None, limit: int | None = None
+    ) -> tuple[list[JobRecord], bool]:
+        """Up to `limit` jobs matching `query` after the job `after` (UnknownCursorError if
+        it is not here), and whether more follow."""
+        return await self._run(self._page, query, after, limit)
+
+    def _page(
+        self, query: JobQuery, after: str | None, limit: int | None
+    ) -> tuple[list[JobRecord], bool]:
+        db = self._conn()
+        after_seq = None
+        if after is not None:
+            row = db.execute("SELECT seq FROM jobs WHERE submission_id = ?", (after,)).fetchone()
+            if row is None:
+                raise UnknownCursorError(after)
+            after_seq = row[0]
+        sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
+        rows = db.execute(sql, parameters).fetchall()
+        more = limit is not None and len(rows) > limit
+        return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
+
+    async def stream(self, query: JobQuery) -> AsyncIterator[list[JobRecord]]:
+        """Every job matching `query`, in batches of STREAM_BATCH_ROWS (keyset pagination:
+        each batch is one indexed read, and no batch holds the database)."""
+        after_seq: int | None = None
+        while True:
+            rows = await self._run(self._batch, query, after_seq)
+            if not rows:
+                return
+            after_seq = rows[-1][0]
+            yield [JobRecord.model_validate_json(row[1]) for row in rows]
+            if len(rows) < STREAM_BATCH_ROWS:
+                return
+
+    def _batch(self, query: JobQuery, after_seq: int | None) -> list[tuple[int, str]]:
+        sql, parameters = _select(query, after_seq, STREAM_BATCH_ROWS)
+        return self._conn().execute(sql, parameters).fetchall()
+
+    async def expired_jobs(
+        self, *, older_than_ms: int | None, keep_newest: int | None, limit: int
+    ) -> list[JobRecord]:
+        """Finished jobs that retention may delete, oldest first, at most `limit`: those that
+        ended before `older_than_ms`, and those beyond the newest `keep_newest` jobs (live
+        ones count among the newest but are never returned)."""
+        return await self._run(self._expired, older_than_ms, keep_newest, limit)
+
+    def _expired(
+        self, older_than_ms: int | None, keep_newest: int | None, limit: int
+    ) -> list[JobRecord]:
+        db = self._conn()
+        clauses = []
+        parameters: list[Any] = list(_TERMINAL)
+        if older_than_ms is not None:
+            clauses.append("end_time < ?")
+            parameters.append(older_than_ms)
+        if keep_newest is not None:
+            row = db.execute(
+                "SELECT seq FROM jobs ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep_newest,)
+            ).fetchone()
+            if row is not None:
+                clauses.append("seq <= ?")
+                parameters.append(row[0])
+        if not clauses:
+            return []
+        parameters.append(limit)
+        rows = db.execute(
+            "SELECT record FROM jobs WHERE status IN (?, ?, ?) AND"
+            f" ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
+            parameters,
+        ).fetchall()
+        return [JobRecord.model_validate_json(text) for (text,) in rows]
+
+    # -- EventLog ---------------------------------------------------------------------------
+
+    async def events_after(self, after_id: int, limit: int) -> list[JobEvent]:
+        return await self._run(self._events_after, after_id, limit)
+
+    def _events_after(self, after_id: int, limit: int) -> list[JobEvent]:
+        rows = (
+            self._conn()
+            .execute(
+                "SELECT id, type, submission_id, tenant, status, message, time, record"
+                " FROM events WHERE id > ? ORDER BY id LIMIT ?",
+                (after_id, limit),
+            )
+            .fetchall()
+        )
+        return [
+            JobEvent(
+                id=id_,
+                type=JobEventType(type_),
+                submission_id=submission_id,
+                tenant=tenant,
+                status=None if status is None else JobStatus(status),
+                message=message,
+                time=time,
+                record=None if record is None else JobRecord.model_validate_json(record),
+            )
+            for id_, type_, submission_id, tenant, status, message, time, record in rows
+        ]
+
+    async def event_id_range(self) -> tuple[int, int]:
+        return await self._run(self._event_id_range)
+
+    def _event_id_range(self) -> tuple[int, int]:
+        oldest, newest = self._conn().execute("SELECT MIN(id), MAX(id) FROM events").fetchone()
+        if newest is None:
+            return 0, 0
+        return oldest, newest
+
+
+def _select(query: JobQuery, after_seq: int | None, limit: int | None) -> tuple[str, list[Any]]:
+    """The SELECT of (seq, record) for `query`, after `after_seq` in the query's order."""
+    clauses: list[str] = []
+    parameters: list[Any] = []
+    if query.statuses is not None:
+        statuses = sorted(status.value for status in query.statuses)
+        clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
+        parameters += statuses
+    if query.submitted_after is not None:
+        clauses.append("start_time > ?")
+        parameters.append(query.submitted_after)
+    if query.submitted_before is not None:
+        clauses.append("start_time < ?")
+        parameters.append(query.submitted_before)
+    for key, value in query.metadata:
+        clauses.append("seq IN (SELECT seq FROM job_metadata WHERE key = ? AND value = ?)")
+        parameters += [key, value]
+    if after_seq is not None:
+        clauses.append("seq < ?" if query.descending else "seq > ?")
+        parameters.append(after_seq)
+    sql = "SELECT seq, record FROM jobs"
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    sql += " ORDER BY seq DESC" if query.descending else " ORDER BY seq"
+    if limit is not None:
+        sql += " LIMIT ?"
+        parameters.append(limit)
+    return sql, parameters
+
+
+def archive_path(state_dir: Path) -> Path:
+    return state_dir / ARCHIVE_FILE_NAME

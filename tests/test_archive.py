@@ -1,0 +1,218 @@
+"""The archive on its own (no Ray): schema, uniqueness, first terminal wins, events in the same
+transaction, queries, retention's view, and what survives reopening the file."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from jobs_server.errors import DuplicateJobError
+from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError, archive_path
+from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+
+
+def record(
+    submission_id: str,
+    *,
+    start_time: int = 1_000,
+    metadata: dict[str, str] | None = None,
+) -> JobRecord:
+    return JobRecord(
+        spec=JobSpec(entrypoint="true", submission_id=submission_id, metadata=metadata or {}),
+        start_time=start_time,
+        run_id=new_run_id(),
+        message="Job is pending.",
+    )
+
+
+@pytest.fixture
+async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
+    archive = Archive(archive_path(tmp_path / "state"))
+    await archive.open()
+    yield archive
+    await archive.close()
+
+
+async def test_a_submission_id_is_taken_once(archive: Archive) -> None:
+    await archive.insert(record("a"))
+    with pytest.raises(DuplicateJobError):
+        await archive.insert(record("a"))
+    assert [job.submission_id for job in (await archive.page(JobQuery()))[0]] == ["a"]
+
+
+async def test_the_first_terminal_status_wins(archive: Archive) -> None:
+    job = record("a")
+    await archive.insert(job)
+    running = job.with_changes(status=JobStatus.RUNNING, driver_pid=7)
+    assert await archive.update(running) == running
+    stopped = running.with_changes(status=JobStatus.STOPPED, end_time=2_000)
+    assert await archive.update(stopped) == stopped
+    late = running.with_changes(status=JobStatus.SUCCEEDED, end_time=3_000)
+    assert await archive.update(late) == stopped
+    assert await archive.get("a") == stopped
+    assert await archive.unfinished() == []
+
+
+async def test_an_update_of_another_run_changes_nothing(archive: Archive) -> None:
+    job = record("a")
+    await archive.insert(job)
+    other = record("a").with_changes(status=JobStatus.FAILED)
+    assert await archive.update(other) is None
+    assert await archive.get("a") == job
+
+
+async def test_every_change_is_an_event_in_order_and_reported_after_commit(
+    tmp_path: Path,
+) -> None:
+    seen: list[JobEvent] = []
+    archive = Archive(archive_path(tmp_path), on_events=seen.extend)
+    await archive.open()
+    job = record("a")
+    await archive.insert(job)
+    await archive.update(job.with_changes(status=JobStatus.RUNNING))
+    await archive.update(job.with_changes(status=JobStatus.RUNNING, message="same status"))
+    await archive.update(job.with_changes(status=JobStatus.SUCCEEDED, end_time=5))
+    await archive.delete("a")
+    events = await archive.events_after(0, 100)
+    assert [(event.type, event.status) for event in events] == [
+        (JobEventType.SUBMITTED, JobStatus.PENDING),
+        (JobEventType.STATUS, JobStatus.RUNNING),
+        (JobEventType.STATUS, JobStatus.SUCCEEDED),
+        (JobEventType.DELETED, None),
+    ]
+    assert [event.id for event in events] == [1, 2, 3, 4]
+    assert seen == events
+    assert await archive.event_id_range() == (1, 4)
+    assert events[2].record is not None
+    assert events[2].record.end_time == 5
+    await archive.close()
+
+
+async def test_events_are_bounded_and_their_ids_never_reused(tmp_path: Path) -> None:
+    archive = Archive(archive_path(tmp_path), max_events=3)
+    await archive.open()
+    for index in range(5):
+        await archive.insert(record(f"job-{index}"))
+    assert await archive.event_id_range() == (3, 5)
+    await archive.close()
+    reopened = Archive(archive_path(tmp_path), max_events=3)
+    await reopened.open()
+    await reopened.insert(record("job-5"))
+    assert await reopened.event_id_range() == (4, 6)
+    await reopened.close()
+
+
+async def test_a_duplicate_writes_no_event(archive: Archive) -> None:
+    await archive.insert(record("a"))
+    with pytest.raises(DuplicateJobError):
+        await archive.insert(record("a"))
+    assert await archive.event_id_range() == (1, 1)
+
+
+async def test_queries_filter_order_and_page(archive: Archive) -> None:
+    for index in range(6):
+        job = record(
+            f"job-{index}",
+            start_time=1_000 + index,
+            metadata={"team": "x" if index % 2 else "y", "n": str(index)},
+        )
+        await archive.insert(job)
+        if index % 3 == 0:
+            await archive.update(job.with_changes(status=JobStatus.FAILED, end_time=9))
+
+    async def ids(query: JobQuery, **page: object) -> list[str]:
+        jobs, _ = await archive.page(query, **page)  # type: ignore[arg-type]
+        return [job.submission_id for job in jobs]
+
+    assert await ids(JobQuery(statuses=frozenset({JobStatus.FAILED}))) == ["job-0", "job-3"]
+    assert await ids(JobQuery(metadata=(("team", "x"),))) == ["job-1", "job-3", "job-5"]
+    assert await ids(JobQuery(metadata=(("team", "x"), ("n", "3")))) == ["job-3"]
+    assert await ids(
+        JobQuery(statuses=frozenset({JobStatus.FAILED}), metadata=(("team", "x"),))
+    ) == ["job-3"]
+    assert await ids(JobQuery(submitted_after=1_001, submitted_before=1_004)) == [
+        "job-2",
+        "job-3",
+    ]
+    assert await ids(JobQuery(descending=True), limit=2) == ["job-5", "job-4"]
+    assert await ids(JobQuery(descending=True), after="job-4", limit=2) == ["job-3", "job-2"]
+    jobs, more = await archive.page(JobQuery(), after="job-3", limit=2)
+    assert [job.submission_id for job in jobs] == ["job-4", "job-5"]
+    assert not more
+    _, more = await archive.page(JobQuery(), limit=2)
+    assert more
+    with pytest.raises(UnknownCursorError):
+        await archive.page(JobQuery(), after="nope")
+
+
+async def test_the_stream_reads_every_job_in_batches(archive: Archive) -> None:
+    from jobs_server.manager import archive as archive_module
+
+    count = archive_module.STREAM_BATCH_ROWS * 2 + 3
+    for index in range(count):
+        await archive.insert(record(f"job-{index:05d}"))
+    batches = [batch async for batch in archive.stream(JobQuery())]
+    assert len(batches) == 3
+    assert [job.submission_id for batch in batches for job in batch] == [
+        f"job-{index:05d}" for index in range(count)
+    ]
+
+
+async def test_expired_jobs_are_finished_ones_oldest_first(archive: Archive) -> None:
+    jobs = [record(f"job-{index}") for index in range(5)]
+    for index, job in enumerate(jobs):
+        await archive.insert(job)
+        if index != 1:  # job-1 stays live
+            await archive.update(job.with_changes(status=JobStatus.SUCCEEDED, end_time=index))
+
+    async def ids(**bounds: int | None) -> list[str]:
+        expired = await archive.expired_jobs(
+            older_than_ms=bounds.get("older_than_ms"),
+            keep_newest=bounds.get("keep_newest"),
+            limit=int(bounds.get("limit") or 100),
+        )
+        return [job.submission_id for job in expired]
+
+    assert await ids() == []
+    assert await ids(older_than_ms=3) == ["job-0", "job-2"]
+    assert await ids(keep_newest=2) == ["job-0", "job-2"]
+    assert await ids(keep_newest=1, limit=2) == ["job-0", "job-2"]
+    assert await ids(keep_newest=10) == []
+    assert await ids(older_than_ms=1, keep_newest=4) == ["job-0"]
+
+
+async def test_the_history_survives_reopening_and_metadata_goes_with_its_job(
+    tmp_path: Path,
+) -> None:
+    path = archive_path(tmp_path)
+    archive = Archive(path)
+    await archive.open()
+    await archive.insert(record("a", metadata={"team": "x"}))
+    await archive.insert(record("b"))
+    await archive.close()
+    reopened = Archive(path)
+    await reopened.open()
+    assert [job.submission_id for job in await reopened.unfinished()] == ["a", "b"]
+    assert await reopened.delete("a")
+    assert not await reopened.delete("a")
+    await reopened.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert db.execute("SELECT COUNT(*) FROM job_metadata").fetchone()[0] == 0
+    db.close()
+
+
+async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = archive_path(tmp_path)
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version = 99")
+    db.close()
+    archive = Archive(path)
+    with pytest.raises(RuntimeError, match="newer"):
+        await archive.open()
+    await archive.close()
