@@ -172,10 +172,10 @@ def test_sqlite_full_is_a_refusal_not_a_crash(small_disk: Path) -> None:
         connection.execute("INSERT INTO jobs (record) VALUES (?)", (b"kept",))
         connection.commit()
         fill(small_disk, 0)
-        with pytest.raises(InsufficientStorageError, match="disk is full"):  # noqa: PT012
-            with storage_errors_refused("a submit"), connection:
-                for _ in range(64):
-                    connection.execute("INSERT INTO jobs (record) VALUES (?)", (b"x" * 65536,))
+        refused = pytest.raises(InsufficientStorageError, match="disk is full")
+        with refused, storage_errors_refused("a submit"), connection:
+            for _ in range(64):
+                connection.execute("INSERT INTO jobs (record) VALUES (?)", (b"x" * 65536,))
         (small_disk / "filler").unlink()
         assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
         assert connection.execute("SELECT record FROM jobs").fetchall() == [(b"kept",)]
