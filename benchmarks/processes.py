@@ -242,6 +242,8 @@ def jobs_server(
         ray_address,
         "--log-dir",
         str(work_dir / "jobs-server-logs"),
+        "--state-dir",
+        str(work_dir / "jobs-server-state"),
         "--namespace",
         f"bench_{uuid.uuid4().hex[:12]}",
         *extra_args,

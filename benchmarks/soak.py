@@ -348,6 +348,8 @@ class Soak:
                 self.gcs_address,
                 "--log-dir",
                 str(self.log_dir),
+                "--state-dir",
+                str(self.log_dir.parent / "state"),
                 "--namespace",
                 self.namespace,
                 "--stop-grace-s",

@@ -42,6 +42,7 @@ from jobs_server.manager import (
     registration_address,
     watch_cluster,
 )
+from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
@@ -163,13 +164,22 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     )
     if sigterm_handler is not None:
         signal.signal(signal.SIGTERM, sigterm_handler)
+    archive = Archive(archive_path(settings.state_dir))
+    await archive.open()
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
+        archive=archive,
         log_dir=settings.log_dir,
         stop_grace_s=settings.stop_grace_s,
         job_start_timeout_s=settings.job_start_timeout_s,
         shared_supervisors=settings.shared_supervisors,
+        # Bounded like the rest of a graceful stop.
+        stop_jobs_on_close_s=(
+            max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)
+            if connection.embedded
+            else None
+        ),
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(
@@ -186,8 +196,11 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await manager.close()
-        await asyncio.to_thread(disconnect_from_ray, connection)
+        try:
+            await manager.close()
+        finally:
+            await archive.close()
+            await asyncio.to_thread(disconnect_from_ray, connection)
 
 
 def _cluster_watch(

@@ -8,7 +8,8 @@ from pydantic import AliasChoices, Field, SecretStr, field_validator, model_vali
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_PORT = 8266
-DEFAULT_LOG_DIR = Path.home() / ".local" / "state" / "jobs-server" / "logs"
+DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "jobs-server"
+LOG_DIR_NAME = "logs"
 # Where the `auth_token` field is read from (pydantic-settings: prefix + name, any case).
 AUTH_TOKEN_ENV_VAR = "JOBS_SERVER_AUTH_TOKEN"
 RETENTION_MAX_AGE_S = 30 * 24 * 3600
@@ -33,7 +34,17 @@ class Settings(BaseSettings):
             " machine, or else a new local Ray instance; 'local': always a new local instance."
         ),
     )
-    log_dir: Path = Field(DEFAULT_LOG_DIR, description="Directory that holds the jobs' log files.")
+    state_dir: Path = Field(
+        DEFAULT_STATE_DIR,
+        description=(
+            "Directory of the server's state: the job history (jobs.db, SQLite) and, unless"
+            " --log-dir says otherwise, the jobs' logs (<state-dir>/logs)."
+        ),
+    )
+    log_dir: Path = Field(
+        DEFAULT_STATE_DIR / LOG_DIR_NAME,
+        description="Directory that holds the jobs' log files (default: <state-dir>/logs).",
+    )
     stop_grace_s: float = Field(
         5.0,
         ge=0,
@@ -164,6 +175,15 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [origin.strip() for origin in value.split(",") if origin.strip()]
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _logs_in_the_state_dir(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("log_dir") is None:
+            state_dir = data.get("state_dir")
+            if state_dir is not None:
+                return {**data, "log_dir": Path(state_dir) / LOG_DIR_NAME}
+        return data
 
     @model_validator(mode="after")
     def _stop_grace_within_its_ceiling(self) -> Settings:

@@ -109,6 +109,8 @@ def ray_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     previous = os.environ.get("RAY_TMPDIR")
     # Ray's temp dir is $RAY_TMPDIR/ray; short enough for its sockets' paths (107 bytes).
     os.environ["RAY_TMPDIR"] = str(path)
+    # A server a test starts without --state-dir must not write the history in the home dir.
+    os.environ.setdefault("JOBS_SERVER_STATE_DIR", str(path.parent / "default-state"))
     address_before = _read_text(RAY_ADDRESS_FILE)
     try:
         yield path
@@ -226,6 +228,7 @@ def settings(tmp_path: Path, ray_connection: str) -> Iterator[Settings]:
     settings = Settings(
         port=0,
         ray_address=ray_connection,
+        state_dir=tmp_path / "state",
         log_dir=tmp_path / "logs",
         namespace=f"test_{uuid.uuid4().hex[:12]}",
         stop_grace_s=2.0,
@@ -245,7 +248,9 @@ async def client(
 @pytest.fixture
 def fake_settings(tmp_path: Path) -> Settings:
     """Settings for an app on fakes: no Ray cluster behind it."""
-    return Settings(port=0, log_dir=tmp_path / "logs", namespace="fake")
+    return Settings(
+        port=0, state_dir=tmp_path / "state", log_dir=tmp_path / "logs", namespace="fake"
+    )
 
 
 @pytest.fixture
@@ -329,6 +334,8 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
             ray_connection,
             "--log-dir",
             str(workdir / "logs"),
+            "--state-dir",
+            str(workdir / "state"),
             "--namespace",
             namespace,
             "--stop-grace-s",

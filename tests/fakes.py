@@ -10,7 +10,7 @@ stays PENDING until the test moves it on (`start`, `write_log`, `finish`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from jobs_server.manager import (
     ClusterInfo,
     JobErrorType,
     JobPage,
+    JobQuery,
     JobRecord,
     JobSpec,
     JobStatus,
@@ -124,22 +125,43 @@ class FakeJobManager:
     async def list_jobs(
         self,
         *,
-        statuses: frozenset[JobStatus] | None = None,
+        query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
     ) -> JobPage:
-        records = list(self._records.values())
-        if after is not None:
-            if after not in self._records:
-                raise InvalidRequestError(f"after: no job {after!r} to continue after.")
-            records = records[list(self._records).index(after) + 1 :]
-        if statuses is not None:
-            records = [record for record in records if record.status in statuses]
+        records = self._matching(query or JobQuery(), after)
         next_after = None
         if limit is not None and len(records) > limit:
             records = records[:limit]
             next_after = records[-1].submission_id
         return JobPage(records=records, next_after=next_after)
+
+    async def stream_jobs(
+        self, query: JobQuery | None = None, *, after: str | None = None
+    ) -> AsyncIterator[list[JobRecord]]:
+        records = self._matching(query or JobQuery(), after)
+        for start in range(0, len(records), 2):  # small batches, to exercise the joins
+            yield records[start : start + 2]
+
+    def _matching(self, query: JobQuery, after: str | None) -> list[JobRecord]:
+        """The archive's query, over the dict."""
+        records = list(self._records.values())
+        if query.descending:
+            records.reverse()
+        if after is not None:
+            if after not in self._records:
+                raise InvalidRequestError(f"after: no job {after!r} to continue after.")
+            records = records[[r.submission_id for r in records].index(after) + 1 :]
+        return [
+            record
+            for record in records
+            if (query.statuses is None or record.status in query.statuses)
+            and (query.submitted_after is None or (record.start_time or 0) > query.submitted_after)
+            and (
+                query.submitted_before is None or (record.start_time or 0) < query.submitted_before
+            )
+            and all(record.spec.metadata.get(key) == value for key, value in query.metadata)
+        ]
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         record = self._get(submission_id)

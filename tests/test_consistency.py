@@ -70,6 +70,7 @@ async def test_jobs_of_a_supervisor_killed_while_no_server_ran_end_failed(
     args = [
         *("--port", str(port), "--ray-address", ray_connection),
         *("--log-dir", str(tmp_path / "logs"), "--namespace", namespace),
+        *("--state-dir", str(tmp_path / "state")),
     ]
     log_path = tmp_path / "server.log"
     first = start_jobs_server(args, log_path)

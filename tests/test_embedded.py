@@ -86,6 +86,8 @@ def test_only_the_server_accepts_jobs_in_embedded_mode(tmp_path: Path, ray_tmpdi
             str(port),
             "--log-dir",
             str(tmp_path / "logs"),
+            "--state-dir",
+            str(tmp_path / "state"),
         ],
         log_path,
         env,

@@ -19,6 +19,7 @@ from jobs_server.errors import (
     JobNotTerminalError,
 )
 from jobs_server.manager import JobManager, JobManagerApi, JobRecord, JobSpec, JobStatus
+from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from tests.conftest import kill_actors_in_namespace
 from tests.fakes import FakeJobManager
 
@@ -31,9 +32,12 @@ async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         return
     gcs_address = request.getfixturevalue("ray_connection")
     namespace = f"test_parity_{uuid.uuid4().hex[:8]}"
+    archive = Archive(archive_path(tmp_path / "state"))
+    await archive.open()
     real = JobManager(
         gcs_address=gcs_address,
         namespace=namespace,
+        archive=archive,
         log_dir=log_dir,
         stop_grace_s=0.5,
         job_start_timeout_s=60,
@@ -43,6 +47,7 @@ async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
         yield real
     finally:
         await real.close()
+        await archive.close()
         kill_actors_in_namespace(namespace)
 
 
@@ -127,7 +132,7 @@ async def test_lists_keep_submission_order_and_page(manager: JobManagerApi) -> N
     assert first.next_after == "page-2"
     rest = await manager.list_jobs(after=first.next_after, limit=3)
     assert ([record.submission_id for record in rest.records], rest.next_after) == (ids[3:], None)
-    stopped = await manager.list_jobs(statuses=frozenset({JobStatus.STOPPED}))
+    stopped = await manager.list_jobs(query=JobQuery(statuses=frozenset({JobStatus.STOPPED})))
     assert [record.submission_id for record in stopped.records] == ["page-2"]
     for job_id in ids:
         await manager.stop_job(job_id, grace_period_s=0)

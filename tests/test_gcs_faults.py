@@ -176,6 +176,8 @@ def start_server(node: HeadNode, workdir: Path) -> tuple[str, subprocess.Popen[b
             node.address,
             "--log-dir",
             str(workdir / "logs"),
+            "--state-dir",
+            str(workdir / "state"),
             "--stop-grace-s",
             "1",
         ],

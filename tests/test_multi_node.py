@@ -209,6 +209,8 @@ def start_server(
             cluster.gcs_address,
             "--log-dir",
             str(log_dir),
+            "--state-dir",
+            str(log_dir.parent / "state"),
             "--namespace",
             namespace,
             "--stop-grace-s",

@@ -73,7 +73,7 @@ def test_document_is_valid_openapi() -> None:
 
 
 def test_document_lists_exactly_the_routes(tmp_path: Path, contract: Contract) -> None:
-    app = create_app(Settings(port=0, log_dir=tmp_path / "logs"))
+    app = create_app(Settings(port=0, state_dir=tmp_path / "state", log_dir=tmp_path / "logs"))
     routed = set()
     for route in app.router.routes():
         if route.method == "HEAD":  # aiohttp adds one to every GET

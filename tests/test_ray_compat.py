@@ -506,6 +506,8 @@ class ServerProcess:
                 gcs_address,
                 "--log-dir",
                 str(workdir / f"logs-{self.port}"),
+                "--state-dir",
+                str(workdir / f"state-{self.port}"),
                 "--namespace",
                 self.namespace,
                 "--shared-supervisors",

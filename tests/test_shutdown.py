@@ -55,6 +55,8 @@ class Server:
                 str(self.port),
                 "--log-dir",
                 str(tmp_path / "logs"),
+                "--state-dir",
+                str(tmp_path / "state"),
                 "--namespace",
                 self.namespace,
                 "--shutdown-timeout-s",

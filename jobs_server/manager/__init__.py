@@ -1,6 +1,7 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
 from jobs_server.manager.api import Backend, DriverFinderApi, JobManagerApi, PackageStoreApi
+from jobs_server.manager.archive import Archive, JobQuery
 from jobs_server.manager.dashboard_registration import (
     DashboardRegistration,
     registration_address,
@@ -21,6 +22,7 @@ from jobs_server.manager.ray_cluster import (
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 
 __all__ = [
+    "Archive",
     "Backend",
     "ClusterHealth",
     "ClusterInfo",
@@ -30,6 +32,7 @@ __all__ = [
     "JobManager",
     "JobManagerApi",
     "JobPage",
+    "JobQuery",
     "JobRecord",
     "JobSpec",
     "JobStatus",

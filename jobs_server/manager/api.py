@@ -3,15 +3,16 @@ so do the tests' in-memory fakes (tests/fakes.py), which serve an app that never
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from jobs_server.manager.archive import JobQuery
 from jobs_server.manager.drivers import RayDriver
 from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
-from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.records import JobRecord, JobSpec
 
 
 class JobManagerApi(Protocol):
@@ -28,12 +29,19 @@ class JobManagerApi(Protocol):
     async def list_jobs(
         self,
         *,
-        statuses: frozenset[JobStatus] | None = None,
+        query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
     ) -> JobPage:
         """Jobs in submission order, filtered and paged; InvalidRequestError for an unknown
         `after`."""
+        ...
+
+    def stream_jobs(
+        self, query: JobQuery | None = None, *, after: str | None = None
+    ) -> AsyncIterator[list[JobRecord]]:
+        """Every job matching `query` after `after`, in batches (an async generator);
+        InvalidRequestError for an unknown `after`, before the first batch."""
         ...
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:

@@ -350,25 +350,32 @@ class Archive:
         it is not here), and whether more follow."""
         return await self._run(self._page, query, after, limit)
 
+    def _seq_of(self, after: str) -> int:
+        row = (
+            self._conn()
+            .execute("SELECT seq FROM jobs WHERE submission_id = ?", (after,))
+            .fetchone()
+        )
+        if row is None:
+            raise UnknownCursorError(after)
+        return int(row[0])
+
     def _page(
         self, query: JobQuery, after: str | None, limit: int | None
     ) -> tuple[list[JobRecord], bool]:
-        db = self._conn()
-        after_seq = None
-        if after is not None:
-            row = db.execute("SELECT seq FROM jobs WHERE submission_id = ?", (after,)).fetchone()
-            if row is None:
-                raise UnknownCursorError(after)
-            after_seq = row[0]
+        after_seq = None if after is None else self._seq_of(after)
         sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
-        rows = db.execute(sql, parameters).fetchall()
+        rows = self._conn().execute(sql, parameters).fetchall()
         more = limit is not None and len(rows) > limit
         return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
 
-    async def stream(self, query: JobQuery) -> AsyncIterator[list[JobRecord]]:
-        """Every job matching `query`, in batches of STREAM_BATCH_ROWS (keyset pagination:
-        each batch is one indexed read, and no batch holds the database)."""
-        after_seq: int | None = None
+    async def stream(
+        self, query: JobQuery, *, after: str | None = None
+    ) -> AsyncIterator[list[JobRecord]]:
+        """Every job matching `query` (after the job `after`: UnknownCursorError, raised before
+        any batch, if it is not here), in batches of STREAM_BATCH_ROWS (keyset pagination: each
+        batch is one indexed read, and no batch holds the database)."""
+        after_seq = None if after is None else await self._run(self._seq_of, after)
         while True:
             rows = await self._run(self._batch, query, after_seq)
             if not rows:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import string
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,9 @@ from jobs_server.errors import (
     PackageNotFoundError,
     SupervisorUnreachableError,
 )
+from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.history import JobHistory
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
@@ -74,13 +77,21 @@ class JobManager:
         *,
         gcs_address: str,
         namespace: str,
+        archive: Archive,
         log_dir: Path,
         stop_grace_s: float,
         job_start_timeout_s: float,
         shared_supervisors: int = 1,
+        stop_jobs_on_close_s: float | None = None,
     ) -> None:
         self._log_dir = log_dir
-        self._store = JobStore(GcsKv(gcs_address, namespace), cache_terminal=True)
+        self._archive = archive
+        self._store = JobStore(GcsKv(gcs_address, namespace))
+        self._history = JobHistory(store=self._store, archive=archive)
+        self._stop_grace_s = stop_grace_s
+        # Embedded mode: the jobs cannot outlive the server (its Ray stops with it), so they are
+        # stopped and recorded STOPPED within this many seconds at close.
+        self._stop_jobs_on_close_s = stop_jobs_on_close_s
         self._packages = PackageLookup(gcs_address)
         # The server's node: its log directory is where every job's log ends up.
         self._head_node_id: str = ray.get_runtime_context().get_node_id()
@@ -99,6 +110,7 @@ class JobManager:
         )
         self._watchers = JobWatchers(
             store=self._store,
+            history=self._history,
             supervisors=self._supervisors,
             launcher=self._launcher,
             cluster_resources=self._cluster_resources,
@@ -112,15 +124,63 @@ class JobManager:
         await self._supervisors.start()
         await Recovery(
             store=self._store,
+            archive=self._archive,
+            history=self._history,
             supervisors=self._supervisors,
             launcher=self._launcher,
             watchers=self._watchers,
         ).recover()
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
 
+    @property
+    def archive(self) -> Archive:
+        return self._archive
+
     async def close(self) -> None:
-        """Stop watching; the jobs themselves run on in their detached supervisors."""
+        """Stop watching; the jobs themselves run on in their detached supervisors (in embedded
+        mode they are stopped first: the Ray they run on stops with the server)."""
+        if self._stop_jobs_on_close_s is not None:
+            await self._stop_all_jobs(self._stop_jobs_on_close_s)
         await self._watchers.close()
+
+    async def _stop_all_jobs(self, timeout_s: float) -> None:
+        """Record every live job STOPPED (the end key's put-if-absent: a job that ended first
+        keeps its end), ask its supervisor to stop it (SIGTERM, grace, SIGKILL), and wait for
+        the watchers, at most `timeout_s`."""
+        message = (
+            "The job was stopped because the server shut down (in embedded mode its Ray "
+            "instance stops with it)."
+        )
+        live = await self._archive.unfinished()
+        grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
+
+        async def stop(record: JobRecord) -> None:
+            try:
+                ended = await self._store.update(
+                    record.submission_id, record.run_id, status=JobStatus.STOPPED, message=message
+                )
+                await self._history.archive_end(ended)
+                supervisor = await asyncio.to_thread(
+                    self._supervisors.find, record.supervisor_name or ""
+                )
+                if supervisor is not None:
+                    await supervisor.stop_job.remote(record.submission_id, grace_s)
+            except Exception:
+                logger.warning(
+                    "stopping job %s at shutdown failed", record.submission_id, exc_info=True
+                )
+
+        if live:
+            logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(stop(record) for record in live)), timeout=timeout_s
+                )
+        # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
+        for record in await self._archive.unfinished():
+            await self._archive.update(
+                record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
+            )
 
     async def submit_job(self, spec: JobSpec) -> JobRecord:
         """Record the job and hand it to a supervisor; return at once, the job PENDING."""
@@ -138,11 +198,17 @@ class JobManager:
             supervisor_name=self._supervisors.name_for(spec, run_id),
             run_id=run_id,
         )
-        await self._store.create(record)
+        # On disk before the answer: an accepted job is never lost. If the server dies before
+        # the KV has it, the next one's recovery runs it.
+        await self._archive.insert(record)
         try:
+            await asyncio.to_thread(_set_aside_orphaned_log, self._launcher.log_path(record))
+            await self._store.create(record)
             launch = await self._launcher.launch(record)
         except Exception as error:
-            await self._store.delete(record)
+            with contextlib.suppress(Exception):
+                await self._store.delete(record)
+            await self._archive.delete(record.submission_id, record.run_id)
             if isinstance(error, ValueError | TypeError | ArithmeticError):
                 raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
             raise
@@ -150,38 +216,65 @@ class JobManager:
         return record
 
     async def get_job(self, submission_id: str) -> JobRecord:
-        return await self._with_wait_message(await self._store.get(submission_id))
+        return await self._with_wait_message(await self._record(submission_id))
+
+    async def _record(self, submission_id: str) -> JobRecord:
+        """The job as it is: its archived row, or for a live one what the KV says now."""
+        archived = await self._archive.get(submission_id)
+        if archived is None:
+            raise JobNotFoundError(submission_id)
+        if archived.status.is_terminal():
+            return archived
+        return (await self._store.current([archived])).get(submission_id, archived)
 
     async def list_jobs(
         self,
         *,
-        statuses: frozenset[JobStatus] | None = None,
+        query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
     ) -> JobPage:
-        """Jobs in submission order: those with one of `statuses`, after the job `after`, at
-        most `limit` of them; `next_after` is the cursor of the next page, if there is one."""
-        records = await self._store.list()
-        if after is not None:
-            position = next(
-                (index for index, record in enumerate(records) if record.submission_id == after),
-                None,
-            )
-            if position is None:
-                raise InvalidRequestError(f"after: no job {after!r} to continue after.")
-            records = records[position + 1 :]
-        if statuses is not None:
-            records = [record for record in records if record.status in statuses]
-        next_after = None
-        if limit is not None and len(records) > limit:
-            records = records[:limit]
-            next_after = records[-1].submission_id
-        records = [await self._with_wait_message(record) for record in records]
+        """Jobs in submission order (newest first with `query.descending`): those matching
+        `query`, after the job `after`, at most `limit` of them; `next_after` is the cursor of
+        the next page, if there is one."""
+        try:
+            records, more = await self._archive.page(query or JobQuery(), after=after, limit=limit)
+        except UnknownCursorError:
+            raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
+        records = await self._as_they_are(records)
+        next_after = records[-1].submission_id if more and records else None
         return JobPage(records=records, next_after=next_after)
+
+    async def stream_jobs(
+        self, query: JobQuery | None = None, *, after: str | None = None
+    ) -> AsyncIterator[list[JobRecord]]:
+        """Every job matching `query` after the job `after`, in batches read from the archive
+        one at a time; InvalidRequestError for an unknown `after`, before the first batch."""
+        try:
+            async for batch in self._archive.stream(query or JobQuery(), after=after):
+                yield await self._as_they_are(batch)
+        except UnknownCursorError:
+            raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
+
+    async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Live rows overlaid with what the KV says now (the archive learns a status a moment
+        after the KV): one KV round trip per batch, none for a batch of finished jobs."""
+        live = [record for record in records if not record.status.is_terminal()]
+        if not live:
+            return records
+        try:
+            current = await self._store.current(live)
+        except Exception:
+            logger.warning("reading live jobs from the KV failed", exc_info=True)
+            current = {}
+        return [
+            await self._with_wait_message(current.get(record.submission_id, record))
+            for record in records
+        ]
 
     async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
         """Ask a job to stop; return False if it had already ended."""
-        record = await self._store.get(submission_id)
+        record = await self._record(submission_id)
         if record.status.is_terminal():
             return False
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
@@ -192,12 +285,13 @@ class JobManager:
         # The command has not started: it never will. A supervisor that is starting it right
         # now finds the record terminal and stops it.
         # Compare-and-set: if the job ended (or started and was stopped) first, that stays.
-        await self._store.update(
+        ended = await self._store.update(
             submission_id,
             record.run_id,
             status=JobStatus.STOPPED,
             message="Job was stopped before it started.",
         )
+        await self._history.archive_end(ended)
         if supervisor is not None and is_dedicated(name):
             await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         elif supervisor is not None:
@@ -229,11 +323,15 @@ class JobManager:
                 await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
 
     async def delete_job(self, submission_id: str) -> None:
-        """Forget a job that has ended: its record and its log file."""
-        record = await self._store.get(submission_id)
+        """Forget a job that has ended: its record, in the archive and the KV, and its log."""
+        record = await self._record(submission_id)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
-        await self._store.delete(record)
+        await self._history.archive_end(record)
+        with contextlib.suppress(Exception):  # gone from the KV already, as it should be
+            await self._store.delete(record)
+        if not await self._archive.delete(submission_id, record.run_id):
+            raise JobNotFoundError(submission_id)
         job_log_path(self._log_dir, submission_id).unlink(missing_ok=True)
 
     async def read_logs(
@@ -266,7 +364,7 @@ class JobManager:
         """Raise JobNotFoundError for an unknown job. A job this server watches exists without
         asking the GCS, so its log is served while the GCS is away."""
         if self._watchers.has_ended(submission_id) is None:
-            await self._store.get(submission_id)
+            await self._record(submission_id)
 
     async def _job_has_ended(self, submission_id: str) -> bool:
         # A watched job has ended when its watcher has: in memory, so a hundred followers cost
@@ -275,7 +373,7 @@ class JobManager:
         if watched_has_ended is not None:
             return watched_has_ended
         try:
-            return (await self._store.get(submission_id)).status.is_terminal()
+            return (await self._record(submission_id)).status.is_terminal()
         except JobNotFoundError:
             return True  # deleted while being read: nothing more will be written
 
@@ -285,6 +383,16 @@ class JobManager:
             return record
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
         return record if waiting_for is None else record.with_changes(message=waiting_for)
+
+
+def _set_aside_orphaned_log(path: Path) -> None:
+    """A log file of an id the archive does not have belongs to no record (the archive was
+    lost, or a delete could not remove it): the new job must not append to it, and its bytes
+    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
+    if path.exists():
+        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
+        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
+        path.rename(orphan)
 
 
 async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:

@@ -53,6 +53,8 @@ class RayConnection:
     """False if the process was already connected (tests, an embedding program): not ours to end."""
     embedded_token_dir: Path | None = None
     """The private directory of the embedded instance's generated token, removed at the end."""
+    embedded: bool = False
+    """This process started the Ray instance: its jobs end when the server does."""
 
 
 @dataclass(frozen=True)
@@ -72,21 +74,27 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
         return RayConnection(ray.get_runtime_context().gcs_address, connected_here=False)
     init_options: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": False}
     token_dir = None
+    embedded = True
     if address == EMBEDDED_RAY_ADDRESS:
         token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     elif address:
         logger.info("joining the Ray cluster at %s", address)
         ray.init(address=address, **init_options)
+        embedded = False
     elif _gcs_server_runs_here():
         try:
             ray.init(address="auto", **init_options)
             logger.info("joined the Ray cluster running on this machine")
+            embedded = False
         except ConnectionError:
             token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     else:
         token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     return RayConnection(
-        ray.get_runtime_context().gcs_address, connected_here=True, embedded_token_dir=token_dir
+        ray.get_runtime_context().gcs_address,
+        connected_here=True,
+        embedded_token_dir=token_dir,
+        embedded=embedded,
     )
 
 

@@ -2,6 +2,11 @@
 accepted but never handed over, and fails those whose supervisor incarnation is gone (a new
 shared supervisor under the same name never ran them: nothing may stay RUNNING without a process
 behind it).
+
+It reads the archive's unfinished rows and the KV's records (both bounded by the live jobs),
+never the whole history. A row the KV does not have is a job accepted but never handed over (it
+runs now) or a job whose cluster went away with its KV (it failed); a KV record the archive does
+not have (the archive was lost, or written by a server before it) is imported.
 """
 
 from __future__ import annotations
@@ -11,9 +16,11 @@ import contextlib
 import logging
 from typing import Any
 
-from jobs_server.errors import JobNotFoundError
+from jobs_server.errors import DuplicateJobError, JobNotFoundError
+from jobs_server.manager.archive import Archive
+from jobs_server.manager.history import JobHistory
 from jobs_server.manager.launcher import Launch, Launcher
-from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus
+from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 from jobs_server.manager.watcher import JobWatchers
@@ -28,11 +35,15 @@ class Recovery:
         self,
         *,
         store: JobStore,
+        archive: Archive,
+        history: JobHistory,
         supervisors: Supervisors,
         launcher: Launcher,
         watchers: JobWatchers,
     ) -> None:
         self._store = store
+        self._archive = archive
+        self._history = history
         self._supervisors = supervisors
         self._launcher = launcher
         self._watchers = watchers
@@ -43,7 +54,20 @@ class Recovery:
         """Adopt, start or fail every job that has not ended; retire what nobody needs."""
         busy_supervisors = set()
         live_supervisors = await asyncio.to_thread(self._supervisors.live_names)
-        for record in await self._store.list():
+        in_kv = {record.submission_id: record for record in await self._store.live_records()}
+        unfinished = {record.submission_id: record for record in await self._archive.unfinished()}
+        for record in in_kv.values():
+            if record.submission_id not in unfinished and not await self._import(record):
+                continue
+            unfinished.setdefault(record.submission_id, record)
+        for job_id, row in unfinished.items():
+            found = in_kv.get(job_id)
+            if found is None or found.run_id != row.run_id:
+                await self._reconcile_without_kv(row)
+                busy_supervisors.add(row.supervisor_name)
+                continue
+            record = found
+            await self._archive.update(record)
             if not record.status.is_terminal():
                 await self._adopt(record)
                 busy_supervisors.add(record.supervisor_name)
@@ -53,10 +77,54 @@ class Recovery:
                 # It ended while no server watched: pull what is left of its log from its
                 # node, then retire its supervisor.
                 await self._adopt(record)
+            else:
+                await self._history.forget(record)
         for name in self._supervisors.stale_shared_names(live_supervisors):
             if name not in busy_supervisors:
                 logger.info("retiring idle supervisor %s of an earlier server version", name)
                 await asyncio.to_thread(self._supervisors.kill, name)
+
+    async def _import(self, record: JobRecord) -> bool:
+        """Archive a KV record the archive does not list as unfinished: True if it is new here
+        (imported) and needs reconciling; an ended row or another run is forgotten in the KV."""
+        archived = await self._archive.get(record.submission_id)
+        if archived is None:
+            logger.info("importing job %s from the KV into the archive", record.submission_id)
+            try:
+                await self._archive.insert(record)
+            except DuplicateJobError:
+                return False
+            return True
+        # Archived as ended (or another run of the id): what is left in the KV is stale.
+        if archived.run_id == record.run_id:
+            await self._archive.update(record)  # a terminal row stays as it is
+        await self._history.forget(record)
+        return False
+
+    async def _reconcile_without_kv(self, row: JobRecord) -> None:
+        """An unfinished job the KV does not have: never handed over, or its cluster's KV is
+        gone (a restarted cluster)."""
+        if row.status is JobStatus.PENDING and not await asyncio.to_thread(
+            self._launcher.log_path(row).exists
+        ):
+            # The server died between archiving the job and handing it over (or the cluster
+            # went away before it began): it was accepted, so it runs.
+            logger.info("job %s was never handed to a supervisor; starting it", row.submission_id)
+            await self._store.create(row)
+            self._watchers.watch(row, await self._launcher.launch(row))
+            return
+        ended = row.with_changes(
+            status=JobStatus.FAILED,
+            end_time=now_ms(),
+            error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+            message=(
+                "The Ray cluster the job ran on went away (its record in the cluster is gone: "
+                "the cluster restarted); the job's processes ended with it. Its output until "
+                "then is in the log."
+            ),
+        )
+        logger.warning("job %s failed: %s", row.submission_id, ended.message)
+        await self._archive.update(ended)
 
     async def _adopt(self, record: JobRecord) -> None:
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
@@ -125,10 +193,12 @@ class Recovery:
     async def _fail(self, record: JobRecord, message: str) -> None:
         logger.warning("job %s failed: %s", record.submission_id, message)
         with contextlib.suppress(JobNotFoundError):  # deleted meanwhile
-            await self._store.update(
+            ended = await self._store.update(
                 record.submission_id,
                 record.run_id,
                 status=JobStatus.FAILED,
                 error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
                 message=message,
             )
+            await self._history.archive_end(ended)
+            await self._history.forget(ended)

@@ -10,11 +10,10 @@ deleted and resubmitted id never sees the old run's end.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
-from jobs_server.errors import DuplicateJobError, JobNotFoundError
+from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 
@@ -33,45 +32,23 @@ def _end_key(submission_id: str, run_id: str) -> str:
 
 
 class JobStore:
-    """Reads and writes job records; the server and every supervisor share one namespace.
+    """Reads and writes the live records of jobs; the server and every supervisor share one
+    namespace. It keeps nothing in memory: the history is the archive's (manager/archive.py),
+    and the KV holds only jobs that have not ended yet (and, briefly, the end of those that
+    just did, until the server has archived it and forgets it here)."""
 
-    A terminal record never changes again, so the server keeps it in memory once read (listing
-    many finished jobs then costs neither a GCS round trip nor parsing per job). Only the store
-    that deletes records may cache them: a supervisor's cache could outlive a deleted job whose
-    id is then submitted again.
-    """
-
-    def __init__(self, kv: GcsKv, *, cache_terminal: bool = False) -> None:
+    def __init__(self, kv: GcsKv) -> None:
         self._kv = kv
-        self._cache_terminal = cache_terminal
-        self._terminal: dict[str, JobRecord] = {}
-        # Job ids in submission order, with their run ids, read from the GCS once and kept by
-        # this store's creates and deletes. Like the cache, it is right only in the store that
-        # creates and deletes the records (the server's).
-        self._runs: dict[str, str] = {}
-        self._indexed = False
-        self._index_lock = asyncio.Lock()
-        # Ids deleted while the index is being read: the read may still have seen them.
-        self._deleted_while_indexing: set[str] = set()
 
     async def create(self, record: JobRecord) -> None:
-        """Store a new record; raise DuplicateJobError if the submission_id is taken."""
-        created = await self._kv.create(_job_key(record.submission_id), _encode(record))
-        if not created:
-            raise DuplicateJobError(record.submission_id)
-        self._terminal.pop(record.submission_id, None)
-        self._runs.pop(record.submission_id, None)  # a resubmitted id goes last
-        self._runs[record.submission_id] = record.run_id
-        self._deleted_while_indexing.discard(record.submission_id)
+        """Store a new run's live record. The archive decided that the id is free (its row is
+        unique); a record left here by an earlier run (a late write after it was forgotten)
+        is replaced."""
+        await self._kv.put(_job_key(record.submission_id), _encode(record))
 
     async def get(self, submission_id: str, run_id: str | None = None) -> JobRecord:
         """The job's record, its end (if it has ended) over its live state. `run_id`, if the
         caller knows it, saves a round trip."""
-        cached = self._terminal.get(submission_id)
-        if cached is not None and run_id in (None, cached.run_id):
-            return cached
-        if run_id is None:
-            run_id = self._runs.get(submission_id)
         if run_id is None:
             live = await self._kv.get(_job_key(submission_id))
             if live is None:
@@ -85,105 +62,47 @@ class JobStore:
         record = JobRecord.model_validate_json(live)
         if record.run_id != run_id:
             return await self._with_end(record)
-        return self._remember(_overlay(record, values.get(_end_key(submission_id, run_id))))
+        return _overlay(record, values.get(_end_key(submission_id, run_id)))
 
     async def _with_end(self, record: JobRecord) -> JobRecord:
         end = await self._kv.get(_end_key(record.submission_id, record.run_id))
-        return self._remember(_overlay(record, end))
+        return _overlay(record, end)
 
-    async def list(self) -> list[JobRecord]:
-        """Every record, in submission order; once indexed, only jobs still running are read."""
-        if not self._indexed:
-            await self._index()
-        # Ids created while the KV is read are not in this list (it began before their
-        # creation was answered), and are not dropped from the index either.
-        runs = self._runs.copy()
-        terminal = self._terminal
-        unknown = [job_id for job_id in runs if job_id not in terminal]
-        values = await self._kv.get_many(
-            [_job_key(job_id) for job_id in unknown]
-            + [_end_key(job_id, runs[job_id]) for job_id in unknown]
-        )
-        fetched: dict[str, JobRecord] = {}
-        for job_id in unknown:
-            live = values.get(_job_key(job_id))
+    async def current(self, records: list[JobRecord]) -> dict[str, JobRecord]:
+        """What the KV says now of each of `records` (the same runs), in one round trip; a run
+        the KV no longer has is left out."""
+        keys = [_job_key(record.submission_id) for record in records]
+        keys += [_end_key(record.submission_id, record.run_id) for record in records]
+        values = await self._kv.get_many(keys)
+        found = {}
+        for record in records:
+            live = values.get(_job_key(record.submission_id))
             if live is None:
-                if self._runs.get(job_id) == runs[job_id]:  # deleted meanwhile
-                    del self._runs[job_id]
                 continue
-            record = JobRecord.model_validate_json(live)
-            if record.run_id == runs[job_id]:
-                record = self._remember(
-                    _overlay(record, values.get(_end_key(job_id, runs[job_id])))
-                )
-            fetched[job_id] = record
-        return [
-            listed
-            for job_id in runs
-            if (listed := terminal.get(job_id) or fetched.get(job_id)) is not None
-        ]
-
-    async def _index(self) -> None:
-        """Read every record once and index them (the only full read of the namespace)."""
-        async with self._index_lock:
-            if self._indexed:
-                return
-            self._deleted_while_indexing.clear()
-            keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
-            keys += await self._kv.keys_with_prefix(_END_KEY_PREFIX)
-            values = await self._kv.get_many(keys)
-            ends = {
-                (record.submission_id, record.run_id): record
-                for record in (
-                    JobRecord.model_validate_json(value)
-                    for key, value in values.items()
-                    if key.startswith(_END_KEY_PREFIX)
-                )
-            }
-            records = sorted(
-                (
-                    ends.get((record.submission_id, record.run_id), record)
-                    for record in (
-                        JobRecord.model_validate_json(value)
-                        for key, value in values.items()
-                        if key.startswith(_JOB_KEY_PREFIX)
-                    )
-                ),
-                key=lambda record: (record.start_time or 0, record.submission_id),
+            current = JobRecord.model_validate_json(live)
+            if current.run_id != record.run_id:
+                continue
+            found[record.submission_id] = _overlay(
+                current, values.get(_end_key(record.submission_id, record.run_id))
             )
-            runs = {
-                record.submission_id: record.run_id
-                for record in records
-                if record.submission_id not in self._deleted_while_indexing
-            }
-            # Jobs created while the namespace was read come after those it found.
-            for job_id, run_id in self._runs.items():
-                runs[job_id] = run_id
-            self._runs = runs
-            self._indexed = True
-            for record in records:
-                self._remember(record)
+        return found
+
+    async def live_records(self) -> list[JobRecord]:
+        """Every record in the KV, with its end over it (bounded: the KV holds live jobs, and
+        the ends not yet archived). Only recovery reads this, once at start."""
+        keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
+        values = await self._kv.get_many(keys)
+        records = [JobRecord.model_validate_json(value) for value in values.values()]
+        return list((await self.current(records)).values()) if records else []
 
     async def delete(self, record: JobRecord) -> None:
-        """Forget the job's run `record`: its live record and its end."""
+        """Forget the job's run `record` here: its live record (if it is still this run's) and
+        its end. The archive keeps its history."""
         job_id = record.submission_id
-        if self._runs.get(job_id, record.run_id) == record.run_id:
+        live = await self._kv.get(_job_key(job_id))
+        if live is not None and JobRecord.model_validate_json(live).run_id == record.run_id:
             await self._kv.delete(_job_key(job_id))
-            self._terminal.pop(job_id, None)
-            self._runs.pop(job_id, None)
-            if not self._indexed:
-                self._deleted_while_indexing.add(job_id)
         await self._kv.delete(_end_key(job_id, record.run_id))
-
-    def _remember(self, record: JobRecord) -> JobRecord:
-        if (
-            self._cache_terminal
-            and record.status.is_terminal()
-            # A read that raced with a delete (and a resubmit) must not cache the old run.
-            and self._runs.get(record.submission_id) == record.run_id
-        ):
-            self._terminal[record.submission_id] = record
-        return record
 
     async def update(
         self, submission_id: str, run_id: str | None = None, **changes: Any
@@ -208,19 +127,19 @@ class JobStore:
         # An end written since `current` was read wins over this write; whoever wrote the live
         # state learns of it now (a supervisor stops the command it just started).
         end = await self._kv.get(_end_key(submission_id, current.run_id))
-        return self._remember(_overlay(updated, end))
+        return _overlay(updated, end)
 
     async def _end(self, current: JobRecord, **changes: Any) -> JobRecord:
         changes.setdefault("end_time", now_ms())
         ended = current.with_changes(**changes)
         key = _end_key(current.submission_id, current.run_id)
         if await self._kv.create(key, _encode(ended)):
-            return self._remember(ended)
+            return ended
         winner = await self._kv.get(key)
         if winner is None:  # deleted right after it was written
             raise JobNotFoundError(current.submission_id)
         logger.debug("job %s had already ended; not applying %s", current.submission_id, changes)
-        return self._remember(JobRecord.model_validate_json(winner))
+        return JobRecord.model_validate_json(winner)
 
 
 def _overlay(live: JobRecord, end: bytes | None) -> JobRecord:

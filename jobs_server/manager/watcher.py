@@ -23,6 +23,7 @@ from ray.exceptions import (
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
+from jobs_server.manager.history import JobHistory
 from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.log_shipping import pull_spooled_log
 from jobs_server.manager.logs import job_log_path
@@ -73,6 +74,7 @@ class JobWatchers:
         self,
         *,
         store: JobStore,
+        history: JobHistory,
         supervisors: Supervisors,
         launcher: Launcher,
         cluster_resources: ClusterResources,
@@ -80,6 +82,7 @@ class JobWatchers:
         job_start_timeout_s: float,
     ) -> None:
         self._store = store
+        self._history = history
         self._supervisors = supervisors
         self._launcher = launcher
         self._cluster_resources = cluster_resources
@@ -125,10 +128,13 @@ class JobWatchers:
             ended = True
             if failure is not None:
                 await self._record_failure(record, failure)
+            # The end is in the archive before anyone sees this watcher done.
+            await self._history.learn_end(record)
         finally:
             # Once the job has ended (not when the server shuts down: its jobs run on).
             if ended:
                 await self._retire_supervisor(record, launch.supervisor, failure)
+                await self._history.forget(record)
 
     async def _outcome(self, record: JobRecord, launch: Launch) -> JobFailure | None:
         """Wait for the run to end: None if its supervisor recorded the end, else the failure
@@ -184,6 +190,7 @@ class JobWatchers:
         try:
             try:
                 log_pull = await self._wait_until_started(record, supervisor)
+                await self._history.learn_started(record)
                 if finished is None:
                     finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
                 status = await self._wait_for_end(record, supervisor, finished)

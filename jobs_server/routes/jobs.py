@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from datetime import datetime
+from typing import Annotated, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,7 +26,7 @@ from jobs_server.keys import (
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
 )
-from jobs_server.manager import JobStatus, new_submission_id
+from jobs_server.manager import JobQuery, JobRecord, JobStatus, new_submission_id
 from jobs_server.request_body import (
     describe_validation_error,
     json_response,
@@ -56,13 +57,17 @@ async def submit_job(request: web.Request) -> web.Response:
 
 
 class ListJobsQuery(BaseModel):
-    """Query of `GET /api/jobs/` (extensions; without them the list is Ray's: every job)."""
+    """Query of `GET /api/jobs/` (extensions; without them the list is Ray's: every job).
+    `metadata.<key>=<value>` parameters are taken apart before this model sees the rest."""
 
     model_config = ConfigDict(extra="forbid")
 
     status: str | None = Field(None, description="Comma-separated statuses to keep.")
     after: SubmissionId | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] | None = None
+    submitted_after: str | None = None
+    submitted_before: str | None = None
+    order: Literal["asc", "desc"] = "asc"
 
     def statuses(self) -> frozenset[JobStatus] | None:
         if self.status is None:
@@ -75,29 +80,99 @@ class ListJobsQuery(BaseModel):
             )
         return frozenset(JobStatus[name] for name in names)
 
+    def to_query(self, metadata: tuple[tuple[str, str], ...]) -> JobQuery:
+        return JobQuery(
+            statuses=self.statuses(),
+            submitted_after=_unix_ms("submitted_after", self.submitted_after),
+            submitted_before=_unix_ms("submitted_before", self.submitted_before),
+            metadata=metadata,
+            descending=self.order == "desc",
+        )
 
-@routes.get("/api/jobs/", name="list_jobs")
-async def list_jobs(request: web.Request) -> web.Response:
+
+_METADATA_PREFIX = "metadata."
+# Unix ms from 2001 on have 13 digits; a bound beyond what SQLite's integers hold is refused.
+_MAX_MS = 2**62
+
+
+def _unix_ms(name: str, value: str | None) -> int | None:
+    """Unix milliseconds, or an RFC 3339 date-time (with its offset) as milliseconds."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isdigit() and len(text) <= 18:
+        return int(text)
     try:
-        query = ListJobsQuery.model_validate(dict(request.query))
+        moment = datetime.fromisoformat(text.replace("z", "Z").replace("Z", "+00:00"))
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None or "T" not in text.upper():
+        raise InvalidRequestError(
+            f"{name}: expected unix milliseconds or an RFC 3339 date-time with its offset"
+            f" (e.g. 2026-01-31T12:00:00Z), got {value!r}"
+        )
+    return int(moment.timestamp() * 1000)
+
+
+def _list_query(request: web.Request) -> tuple[ListJobsQuery, JobQuery]:
+    plain: dict[str, str] = {}
+    metadata: list[tuple[str, str]] = []
+    for name, value in request.query.items():
+        if name.startswith(_METADATA_PREFIX) and len(name) > len(_METADATA_PREFIX):
+            metadata.append((name[len(_METADATA_PREFIX) :], value))
+        elif name in plain:
+            raise InvalidRequestError(f"{name}: given more than once")
+        else:
+            plain[name] = value
+    try:
+        query = ListJobsQuery.model_validate(plain)
     except ValidationError as error:
         raise InvalidRequestError(describe_validation_error(error)) from error
-    page = await request.app[JOB_MANAGER_KEY].list_jobs(
-        statuses=query.statuses(), after=query.after, limit=query.limit
-    )
-    cache = request.app[JOB_DETAILS_CACHE_KEY]
-    drivers = await request.app[RAY_DRIVERS_KEY].find(page.records)
-    text = (
-        "["
-        + ",".join(
-            cache.json_for(record, drivers.get(record.submission_id)) for record in page.records
-        )
-        + "]"
-    )
+    return query, query.to_query(tuple(metadata))
+
+
+@routes.get("/api/jobs/", name="list_jobs")
+async def list_jobs(request: web.Request) -> web.StreamResponse:
+    query, job_query = _list_query(request)
+    manager = request.app[JOB_MANAGER_KEY]
+    if query.limit is None:
+        return await _stream_jobs(request, job_query, query.after)
+    page = await manager.list_jobs(query=job_query, after=query.after, limit=query.limit)
+    text = "[" + ",".join(await _details_json(request, page.records)) + "]"
     response = web.Response(text=text, content_type="application/json")
     if page.next_after is not None:
         next_page = request.rel_url.update_query(after=page.next_after)
         response.headers["Link"] = f'<{next_page}>; rel="next"'
+    return response
+
+
+async def _details_json(request: web.Request, records: list[JobRecord]) -> list[str]:
+    cache = request.app[JOB_DETAILS_CACHE_KEY]
+    drivers = await request.app[RAY_DRIVERS_KEY].find(records)
+    return [cache.json_for(record, drivers.get(record.submission_id)) for record in records]
+
+
+async def _stream_jobs(
+    request: web.Request, query: JobQuery, after: str | None
+) -> web.StreamResponse:
+    """The whole list as one JSON array, written batch by batch as the archive is read: a long
+    history is never one string in memory."""
+    batches = request.app[JOB_MANAGER_KEY].stream_jobs(query, after=after)
+    # The first batch before the headers: a bad `after` is still a 400.
+    first = await anext(batches, None)
+    response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
+    await response.prepare(request)
+    await response.write(b"[")
+    separator = ""
+    batch = first
+    while batch is not None:
+        texts = await _details_json(request, batch)
+        if texts:
+            await response.write((separator + ",".join(texts)).encode())
+            separator = ","
+        batch = await anext(batches, None)
+    await response.write(b"]")
+    await response.write_eof()
     return response
 
 

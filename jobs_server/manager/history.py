@@ -1,0 +1,89 @@
+"""What the server learns of a job's run (it started, it ended) goes to the archive; once the
+end is archived, the KV forgets the run, so the KV holds only live jobs.
+
+The end key's put-if-absent still decides who ended a run (server or supervisor); the archive
+copies whichever end won, and a terminal row never changes again (the first terminal wins
+there too), so a writer that is late cannot rewrite the history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.archive import Archive
+from jobs_server.manager.records import JobRecord
+from jobs_server.manager.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+# After an error of the KV or the disk, try again after this long, doubled up to the maximum.
+RETRY_INITIAL_S = 0.5
+RETRY_MAX_S = 10.0
+
+
+class JobHistory:
+    """Copies what the KV says of a run into the archive."""
+
+    def __init__(self, *, store: JobStore, archive: Archive) -> None:
+        self._store = store
+        self._archive = archive
+
+    async def learn(self, record: JobRecord) -> JobRecord | None:
+        """Archive the run `record` as the KV has it now; the record as archived (None: the run
+        is gone from the KV or the archive)."""
+        try:
+            current = await self._store.get(record.submission_id, record.run_id)
+        except JobNotFoundError:
+            return None
+        if current.run_id != record.run_id:
+            return None
+        return await self._archive.update(current)
+
+    async def learn_started(self, record: JobRecord) -> None:
+        """The command began (RUNNING): archive it, best effort (its end will be archived in
+        any case, and the end is what matters)."""
+        try:
+            await self.learn(record)
+        except Exception:
+            logger.warning(
+                "archiving the start of job %s failed", record.submission_id, exc_info=True
+            )
+
+    async def learn_end(self, record: JobRecord) -> JobRecord | None:
+        """The run has ended: archive its end, retrying until the KV and the disk take it."""
+        delay_s = RETRY_INITIAL_S
+        while True:
+            try:
+                return await self.learn(record)
+            except Exception:
+                logger.warning(
+                    "archiving the end of job %s failed; trying again in %.1f s",
+                    record.submission_id,
+                    delay_s,
+                    exc_info=True,
+                )
+            await asyncio.sleep(delay_s)
+            delay_s = min(delay_s * 2, RETRY_MAX_S)
+
+    async def archive_end(self, ended: JobRecord) -> JobRecord | None:
+        """Archive a terminal record the caller has just written to the KV (or read)."""
+        return await self._archive.update(ended)
+
+    async def forget(self, record: JobRecord) -> None:
+        """Drop the ended run from the KV once its end is archived (best effort: what is left
+        is forgotten by the next server's recovery)."""
+        stored = await self._archive.get(record.submission_id)
+        if (
+            stored is not None
+            and stored.run_id == record.run_id
+            and not stored.status.is_terminal()
+        ):
+            return  # not archived as ended: the KV still holds the truth
+        try:
+            await self._store.delete(record)
+        except Exception:
+            logger.warning(
+                "forgetting job %s in the KV failed", record.submission_id, exc_info=True
+            )

@@ -1,0 +1,290 @@
+"""History that lasts (issue 14): every job accepted is listed with its true end, its metadata,
+times, exit code and log after (a) a graceful restart of an embedded server, (b) kill -9 of an
+embedded server (its Ray goes with it), (c) a restart of the whole Ray cluster (a new GCS, an
+empty KV) with the server restarted against it. Real servers, real Ray, real signals."""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from tests.conftest import (
+    RAY_BIN,
+    RAY_NODE_IP,
+    free_port,
+    start_jobs_server,
+    stop_process_group,
+    wait_for_server,
+    wait_until,
+)
+
+JOB_TIMEOUT_S = 120
+
+
+@pytest.fixture
+def ray_tmpdir() -> Iterator[Path]:
+    """A short temp dir of its own for the Ray instances of one test (Ray's socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="rrs", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+class Server:
+    """`jobs-server serve` in its own process group, on a state dir that outlives it."""
+
+    def __init__(self, tmp_path: Path, ray_tmpdir: Path, ray_args: list[str]) -> None:
+        self.tmp_path = tmp_path
+        self.ray_tmpdir = ray_tmpdir
+        self.ray_args = ray_args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {
+            **{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)},
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_TMPDIR": str(self.ray_tmpdir),
+        }
+        log_path = self.tmp_path / "server.log"
+        self.process = start_jobs_server(
+            [
+                *self.ray_args,
+                *("--port", str(self.port)),
+                *("--state-dir", str(self.tmp_path / "state")),
+                *("--stop-grace-s", "1"),
+            ],
+            log_path,
+            env,
+        )
+        wait_for_server(self.url, self.process, log_path, timeout_s=180)
+
+    def stop(self) -> None:
+        if self.process is not None:
+            stop_process_group(self.process, timeout_s=60)
+
+    def kill(self) -> None:
+        """kill -9 of the server and everything in its process group (its embedded Ray)."""
+        assert self.process is not None
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def submit(self, **body: Any) -> str:
+        response = requests.post(f"{self.url}/api/jobs/", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return str(response.json()["submission_id"])
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        response = requests.get(f"{self.url}/api/jobs/{job_id}", timeout=30)
+        assert response.status_code == 200, response.text
+        return dict(response.json())
+
+    def wait_status(self, job_id: str, *statuses: str) -> dict[str, Any]:
+        found: dict[str, Any] = {}
+
+        def reached() -> bool:
+            found.update(self.job(job_id))
+            return found["status"] in statuses
+
+        wait_until(reached, JOB_TIMEOUT_S, f"job {job_id} {statuses}")
+        return found
+
+    def logs(self, job_id: str) -> str:
+        response = requests.get(f"{self.url}/api/jobs/{job_id}/logs", timeout=30)
+        assert response.status_code == 200, response.text
+        return str(response.json()["logs"])
+
+    def listed(self, **params: str) -> dict[str, dict[str, Any]]:
+        response = requests.get(f"{self.url}/api/jobs/", params=params, timeout=60)
+        assert response.status_code == 200, response.text
+        return {job["submission_id"]: job for job in response.json()}
+
+
+def embedded_server(tmp_path: Path, ray_tmpdir: Path) -> Server:
+    node_ip = f"127.0.0.{random.randint(100, 250)}"
+    return Server(
+        tmp_path,
+        ray_tmpdir,
+        ["--ray-address", "local", "--embedded-ray-node-ip", node_ip],
+    )
+
+
+def submit_history(server: Server) -> dict[str, str]:
+    """A job that succeeds, one that fails, one left running."""
+    jobs = {
+        "ok": server.submit(
+            submission_id="demo-1", entrypoint="echo hello from demo", metadata={"team": "a"}
+        ),
+        "failed": server.submit(entrypoint="echo bad; exit 3", metadata={"team": "b"}),
+        "running": server.submit(entrypoint="echo started; sleep 1000"),
+    }
+    server.wait_status(jobs["ok"], "SUCCEEDED")
+    server.wait_status(jobs["failed"], "FAILED")
+    server.wait_status(jobs["running"], "RUNNING")
+    wait_until(lambda: "started" in server.logs(jobs["running"]), 60, "the running job's output")
+    return jobs
+
+
+def assert_finished_history(server: Server, jobs: dict[str, str], before: dict[str, Any]) -> None:
+    listed = server.listed()
+    assert set(jobs.values()) <= set(listed)
+    ok, failed = listed[jobs["ok"]], listed[jobs["failed"]]
+    assert ok["status"] == "SUCCEEDED"
+    assert ok["metadata"] == {"team": "a"}
+    assert ok["driver_exit_code"] == 0
+    assert (ok["start_time"], ok["end_time"]) == (
+        before[jobs["ok"]]["start_time"],
+        before[jobs["ok"]]["end_time"],
+    )
+    assert failed["status"] == "FAILED"
+    assert failed["driver_exit_code"] == 3
+    assert server.logs(jobs["ok"]) == "hello from demo\n"
+    assert server.logs(jobs["failed"]) == "bad\n"
+    # A submission_id in the archive is taken, after a restart too (Ray's wording).
+    response = requests.post(
+        f"{server.url}/api/jobs/",
+        json={"submission_id": "demo-1", "entrypoint": "echo again"},
+        timeout=60,
+    )
+    assert response.status_code == 409, response.text
+    assert "already exists" in response.text
+    assert server.logs(jobs["ok"]) == "hello from demo\n"
+
+
+def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_jobs(
+    tmp_path: Path, ray_tmpdir: Path
+) -> None:
+    server = embedded_server(tmp_path, ray_tmpdir)
+    server.start()
+    try:
+        jobs = submit_history(server)
+        before = server.listed()
+        server.stop()  # SIGTERM
+        server.start()
+        assert_finished_history(server, jobs, before)
+        running = server.job(jobs["running"])
+        assert running["status"] == "STOPPED"
+        assert "server shut down" in running["message"]
+        assert "started" in server.logs(jobs["running"])
+        assert server.listed(status="RUNNING,PENDING") == {}
+    finally:
+        server.stop()
+
+
+def test_kill_9_of_an_embedded_server_keeps_history_and_fails_the_running_jobs(
+    tmp_path: Path, ray_tmpdir: Path
+) -> None:
+    server = embedded_server(tmp_path, ray_tmpdir)
+    server.start()
+    try:
+        jobs = submit_history(server)
+        before = server.listed()
+        server.kill()
+        server.start()
+        assert_finished_history(server, jobs, before)
+        running = server.wait_status(jobs["running"], "FAILED")
+        assert "cluster" in running["message"]
+        assert "went away" in running["message"]
+        assert "started" in server.logs(jobs["running"])
+    finally:
+        server.stop()
+
+
+class Cluster:
+    """A Ray head of its own (`ray start --head --block`, its own process group)."""
+
+    def __init__(self, tmp_path: Path, ray_tmpdir: Path) -> None:
+        self.port = free_port(RAY_NODE_IP)
+        self.address = f"{RAY_NODE_IP}:{self.port}"
+        log = (tmp_path / f"ray-{self.port}.log").open("wb")
+        self.process = subprocess.Popen(
+            [
+                str(RAY_BIN),
+                "start",
+                "--head",
+                "--block",
+                f"--node-ip-address={RAY_NODE_IP}",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                "--disable-usage-stats",
+                "--num-cpus=2",
+            ],
+            env={**os.environ, "RAY_TMPDIR": str(ray_tmpdir), "RAY_AUTH_MODE": "disabled"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        wait_until(lambda: _port_open(RAY_NODE_IP, self.port), 60, "the Ray head node")
+
+    def stop(self) -> None:
+        stop_process_group(self.process, timeout_s=60)
+
+
+def _port_open(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
+def test_a_restarted_cluster_with_an_empty_kv_keeps_history_and_fails_the_running_jobs(
+    tmp_path: Path, ray_tmpdir: Path
+) -> None:
+    cluster = Cluster(tmp_path, ray_tmpdir)
+    server = Server(tmp_path, ray_tmpdir, ["--ray-address", cluster.address])
+    second: Cluster | None = None
+    try:
+        server.start()
+        jobs = submit_history(server)
+        before = server.listed()
+        server.stop()  # a server of a cluster of its own leaves its jobs running
+        cluster.stop()
+        second = Cluster(tmp_path, ray_tmpdir)
+        server.ray_args = ["--ray-address", second.address]
+        server.start()
+        assert_finished_history(server, jobs, before)
+        running = server.wait_status(jobs["running"], "FAILED")
+        assert "went away" in running["message"]
+        assert "started" in server.logs(jobs["running"])
+        # The new cluster runs new jobs, and the archive lists them after the old ones.
+        new = server.submit(entrypoint="echo new")
+        server.wait_status(new, "SUCCEEDED")
+        assert list(server.listed())[-1] == new
+    finally:
+        server.stop()
+        cluster.stop()
+        if second is not None:
+            second.stop()
+
+
+def test_a_log_that_belongs_to_no_record_is_never_appended_to(
+    tmp_path: Path, ray_tmpdir: Path
+) -> None:
+    server = embedded_server(tmp_path, ray_tmpdir)
+    logs = tmp_path / "state" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "job-driver-orphan.log").write_text("an earlier life\n")
+    server.start()
+    try:
+        job_id = server.submit(submission_id="orphan", entrypoint="echo fresh")
+        server.wait_status(job_id, "SUCCEEDED")
+        assert server.logs(job_id) == "fresh\n"
+        set_aside = [path.name for path in logs.glob("job-driver-orphan.log.orphaned-*")]
+        assert len(set_aside) == 1
+        assert (logs / set_aside[0]).read_text() == "an earlier life\n"
+    finally:
+        server.stop()
