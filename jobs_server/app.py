@@ -44,6 +44,7 @@ from jobs_server.manager import (
 )
 from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
+from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
     auth_middleware,
@@ -84,9 +85,8 @@ def create_app(
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
-    # TODO(h-archive merge): guard settings.state_dir and log_dir once state_dir exists.
     app[DISK_GUARD_KEY] = DiskGuard(
-        [settings.log_dir.parent, settings.log_dir], settings.min_free_disk_bytes
+        [settings.state_dir, settings.log_dir], settings.min_free_disk_bytes
     )
     app[UPLOAD_BUDGET_KEY] = UploadBudget(settings.upload_bytes_in_flight_limit)
     app.on_shutdown.append(_end_log_streams)
@@ -180,6 +180,12 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             if connection.embedded
             else None
         ),
+        retention=RetentionPolicy(
+            max_age_s=settings.retention_max_age_s,
+            max_jobs=settings.retention_max_jobs,
+            interval_s=settings.retention_interval_s,
+        ),
+        on_retention_deleted=app[METRICS_KEY].retention_deleted_jobs.inc,
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(

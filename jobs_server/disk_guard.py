@@ -81,10 +81,20 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def is_disk_full(error: BaseException) -> bool:
-    """Whether `error` is a write that failed for want of disk space."""
-    if isinstance(error, sqlite3.Error):
-        return getattr(error, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
-    return isinstance(error, OSError) and error.errno in _DISK_FULL_ERRNOS
+    """Whether `error` is a write that failed for want of disk space, or an error raised while
+    handling one (SQLite rolls a transaction back itself on SQLITE_FULL, so the caller's own
+    ROLLBACK then fails with "no transaction is active")."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, sqlite3.Error):
+            if getattr(current, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                return True
+        elif isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import sqlite3
 import subprocess
 import zipfile
 from collections.abc import Awaitable, Callable, Iterator
@@ -17,6 +18,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.app import create_app
 from jobs_server.disk_guard import is_disk_full, storage_errors_refused
 from jobs_server.errors import InsufficientStorageError
+from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
 from tests.fakes import FakeJobManager
@@ -67,6 +69,7 @@ def tiny_zip() -> bytes:
 def fake_settings(small_disk: Path) -> Settings:
     return Settings(
         port=0,
+        state_dir=small_disk / "state",
         log_dir=small_disk / "logs",
         namespace="fake",
         min_free_disk_bytes=MIN_FREE_BYTES,
@@ -135,6 +138,7 @@ async def test_the_log_directory_s_own_disk_is_guarded_too(
     """Logs on another filesystem than the state: the fuller of the two decides."""
     settings = Settings(
         port=0,
+        state_dir=tmp_path / "state",
         log_dir=small_disk / "logs",
         namespace="fake",
         min_free_disk_bytes=MIN_FREE_BYTES,
@@ -159,11 +163,20 @@ def test_what_counts_as_a_full_disk(error: BaseException, full: bool) -> None:
     assert is_disk_full(error) is full
 
 
+def test_an_error_while_handling_a_full_disk_is_a_full_disk() -> None:
+    def rollback_after_a_full_disk() -> None:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise sqlite3.OperationalError("cannot rollback - no transaction is active")  # noqa: B904
+
+    with pytest.raises(InsufficientStorageError), storage_errors_refused("a submit"):
+        rollback_after_a_full_disk()
+
+
 def test_sqlite_full_is_a_refusal_not_a_crash(small_disk: Path) -> None:
     """SQLite on a disk that fills up: SQLITE_FULL becomes a 507's error, and the database
     (rolled back) is whole."""
-    import sqlite3
-
     database = small_disk / "jobs.db"
     connection = sqlite3.connect(database)
     try:
@@ -190,7 +203,11 @@ async def test_running_jobs_go_on_while_the_disk_is_nearly_full(
     tmp_path: Path,
 ) -> None:
     settings = settings.model_copy(
-        update={"log_dir": small_disk / "logs", "min_free_disk_bytes": MIN_FREE_BYTES}
+        update={
+            "state_dir": small_disk / "state",
+            "log_dir": small_disk / "logs",
+            "min_free_disk_bytes": MIN_FREE_BYTES,
+        }
     )
     client = await aiohttp_client(create_app(settings))
     go_on = tmp_path / "go-on"
@@ -210,3 +227,34 @@ async def test_running_jobs_go_on_while_the_disk_is_nearly_full(
     assert job["status"] == "SUCCEEDED", job
     logs = await (await client.get(f"/api/jobs/{job_id}/logs")).json()
     assert logs["logs"] == "before\nafter\n"
+
+
+async def test_a_write_that_finds_the_disk_full_is_a_507_and_the_archive_stays_whole(
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    settings: Settings,
+    small_disk: Path,
+    contract: Contract,
+) -> None:
+    """No threshold (0 bytes): the archive's own write meets the full disk (SQLITE_FULL)."""
+    state_dir = small_disk / "state"
+    settings = settings.model_copy(
+        update={"state_dir": state_dir, "log_dir": small_disk / "logs", "min_free_disk_bytes": 0}
+    )
+    client = await aiohttp_client(create_app(settings))
+    kept = await submit(client, entrypoint="echo kept", metadata={"team": "x"})
+    assert (await wait_for_status(client, kept))["status"] == "SUCCEEDED"
+
+    filler = fill(small_disk, 0)
+    body = {"entrypoint": "echo refused", "metadata": {"team": "x" * 60_000}}
+    status, refused = await checked(contract, client, "POST", "/api/jobs/", json=body)
+    assert status == 507, refused
+    assert refused["error"]["code"] == "insufficient_storage"
+    assert (await client.get(f"/api/jobs/{kept}")).status == 200
+
+    filler.unlink()
+    again = await submit(client, entrypoint="echo again")
+    assert (await wait_for_status(client, again))["status"] == "SUCCEEDED"
+    listed = await (await client.get("/api/jobs/")).json()
+    assert [job["submission_id"] for job in listed] == [kept, again]
+    with sqlite3.connect(archive_path(state_dir)) as database:
+        assert database.execute("PRAGMA integrity_check").fetchone() == ("ok",)
