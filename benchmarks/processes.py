@@ -18,7 +18,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,8 +228,11 @@ def ray_worker(
 
 
 @contextlib.contextmanager
-def jobs_server(ray_address: str, work_dir: Path) -> Iterator[OurServer]:
-    """Our server on the cluster at `ray_address`, in a namespace of its own."""
+def jobs_server(
+    ray_address: str, work_dir: Path, extra_args: Sequence[str] = ()
+) -> Iterator[OurServer]:
+    """Our server on the cluster at `ray_address`, in a namespace of its own, with the flags
+    `extra_args` added."""
     port = free_port()
     log_path = work_dir / "jobs-server.log"
     args = [
@@ -243,6 +246,7 @@ def jobs_server(ray_address: str, work_dir: Path) -> Iterator[OurServer]:
         str(work_dir / "jobs-server-state"),
         "--namespace",
         f"bench_{uuid.uuid4().hex[:12]}",
+        *extra_args,
     ]
     logger.info("starting jobs-server on port %d", port)
     process = start_jobs_server(args, log_path)

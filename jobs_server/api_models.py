@@ -148,8 +148,17 @@ class VersionResponse(BaseModel):
     )
 
 
+class DiskHealth(BaseModel):
+    """Extension: the free space of the disk that holds the jobs' history and logs."""
+
+    free_bytes: int = Field(description="Free bytes on the fullest of the server's disks.")
+    min_free_bytes: int = Field(description="The threshold, --min-free-disk-bytes.")
+    low: bool = Field(description="Below the threshold: submits and uploads are refused (507).")
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
+    disk: DiskHealth
 
 
 class PackageResponse(BaseModel):

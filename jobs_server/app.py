@@ -13,11 +13,13 @@ import aiohttp_cors
 from aiohttp import web
 
 from jobs_server.auth import AccessPolicy, resolve_auth_token
+from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
     CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
+    DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
     METRICS_KEY,
@@ -25,6 +27,7 @@ from jobs_server.keys import (
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
     SHUTTING_DOWN_KEY,
+    UPLOAD_BUDGET_KEY,
 )
 from jobs_server.manager import (
     Backend,
@@ -42,6 +45,7 @@ from jobs_server.manager import (
 from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
+from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
     auth_middleware,
@@ -51,6 +55,7 @@ from jobs_server.middlewares import (
 )
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
+from jobs_server.upload_budget import UploadBudget
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,10 @@ def create_app(
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
+    app[DISK_GUARD_KEY] = DiskGuard(
+        [settings.state_dir, settings.log_dir], settings.min_free_disk_bytes
+    )
+    app[UPLOAD_BUDGET_KEY] = UploadBudget(settings.upload_bytes_in_flight_limit)
     app.on_shutdown.append(_end_log_streams)
     if backend is None:
         app.cleanup_ctx.append(_ray_backend)
@@ -177,6 +186,12 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             if connection.embedded
             else None
         ),
+        retention=RetentionPolicy(
+            max_age_s=settings.retention_max_age_s,
+            max_jobs=settings.retention_max_jobs,
+            interval_s=settings.retention_interval_s,
+        ),
+        on_retention_deleted=app[METRICS_KEY].retention_deleted_jobs.inc,
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(

@@ -14,6 +14,9 @@ JobsServerError
 ├── InvalidTokenError          a wrong token (403)
 ├── CrossSiteRequestError      a browser request from another site (403)
 ├── PayloadTooLargeError       a body over the configured limit
+├── TooManyRequestsError       over a bound on work in progress; try again later (429)
+│   └── UploadCapacityError    the bytes of package uploads in flight are at their bound
+├── InsufficientStorageError   the state directory's disk is (nearly) full (507)
 ├── UnsupportedMediaTypeError  a body that is not JSON
 └── ClusterUnavailableError    Ray could not be reached
     └── SupervisorUnreachableError  a job's supervisor cannot be reached (its node may be failing)
@@ -101,6 +104,28 @@ class PayloadTooLargeError(JobsServerError):
 # How long a client is asked to wait before it tries again after a 503: about what a restarting
 # GCS (with fault tolerance) takes to answer again.
 CLUSTER_RETRY_AFTER_S = 5
+
+
+# How long a client is asked to wait after a 429 for uploads in flight: about what an upload of
+# a large package takes on a fast link, after which others have ended.
+UPLOAD_RETRY_AFTER_S = 2
+
+
+class TooManyRequestsError(JobsServerError):
+    """A bound on the work in progress is reached; the same request may succeed later."""
+
+    code = "too_many_requests"
+
+
+class UploadCapacityError(TooManyRequestsError):
+    code = "upload_capacity_exceeded"
+    headers: ClassVar[dict[str, str]] = {"Retry-After": str(UPLOAD_RETRY_AFTER_S)}
+
+
+class InsufficientStorageError(JobsServerError):
+    """The disk that holds the jobs' records and logs has too little free space for new work."""
+
+    code = "insufficient_storage"
 
 
 class ClusterUnavailableError(JobsServerError):

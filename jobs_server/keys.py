@@ -7,6 +7,7 @@ import asyncio
 from aiohttp import web
 
 from jobs_server.auth import AccessPolicy
+from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.manager import (
     ClusterHealth,
@@ -17,6 +18,7 @@ from jobs_server.manager import (
 )
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
+from jobs_server.upload_budget import UploadBudget
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 # Typed by Protocol, so the real manager and the tests' fakes both fit (a Protocol is not a
@@ -31,6 +33,8 @@ METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 # Set when the server begins to shut down: open log streams end.
 SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
 RAY_DRIVERS_KEY = web.AppKey[DriverFinderApi]("ray_drivers")
+DISK_GUARD_KEY = web.AppKey("disk_guard", DiskGuard)
+UPLOAD_BUDGET_KEY = web.AppKey("upload_budget", UploadBudget)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

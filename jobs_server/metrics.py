@@ -37,6 +37,11 @@ class ServerMetrics:
             ["status"],
             registry=self.registry,
         )
+        self.retention_deleted_jobs = Counter(
+            "jobs_server_retention_deleted_jobs",
+            "Finished jobs deleted by retention (--retention-max-age-s, --retention-max-jobs).",
+            registry=self.registry,
+        )
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()

@@ -17,12 +17,14 @@ from jobs_server.errors import (
     ClusterUnavailableError,
     ConflictError,
     CrossSiteRequestError,
+    InsufficientStorageError,
     InvalidRequestError,
     InvalidTokenError,
     JobNotFoundError,
     JobsServerError,
     PackageNotFoundError,
     PayloadTooLargeError,
+    TooManyRequestsError,
     UnsupportedMediaTypeError,
 )
 from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY, METRICS_KEY
@@ -42,7 +44,9 @@ _STATUS_BY_ERROR: dict[type[JobsServerError], int] = {
     ConflictError: 409,
     PayloadTooLargeError: 413,
     UnsupportedMediaTypeError: 415,
+    TooManyRequestsError: 429,
     ClusterUnavailableError: 503,
+    InsufficientStorageError: 507,
 }
 
 

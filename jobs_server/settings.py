@@ -12,6 +12,9 @@ DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "jobs-server"
 LOG_DIR_NAME = "logs"
 # Where the `auth_token` field is read from (pydantic-settings: prefix + name, any case).
 AUTH_TOKEN_ENV_VAR = "JOBS_SERVER_AUTH_TOKEN"
+RETENTION_MAX_AGE_S = 30 * 24 * 3600
+# Uploads of the largest package size that may be in memory at once, by default.
+UPLOADS_IN_FLIGHT_PER_PACKAGE = 4
 
 
 class Settings(BaseSettings):
@@ -102,6 +105,45 @@ class Settings(BaseSettings):
             " they are cancelled; log followers are ended at once (websockets with 1001)."
         ),
     )
+    retention_max_age_s: float = Field(
+        RETENTION_MAX_AGE_S,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "Seconds a finished job is kept after it ended; older ones are deleted (record, log)"
+            " in the background."
+        ),
+    )
+    retention_max_jobs: int = Field(
+        100_000,
+        ge=1,
+        description=(
+            "Jobs kept (live ones count, and are never deleted); the oldest finished ones beyond"
+            " it are deleted in the background."
+        ),
+    )
+    retention_interval_s: float = Field(
+        60.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds between two retention sweeps.",
+    )
+    min_free_disk_bytes: int = Field(
+        1024**3,
+        ge=0,
+        description=(
+            "Free bytes the disk of the state and log directories keeps: below it, submits and"
+            " package uploads are refused with 507 (running jobs go on)."
+        ),
+    )
+    max_upload_bytes_in_flight: int | None = Field(
+        None,
+        gt=0,
+        description=(
+            "Bytes of package uploads held in memory at once (each is read whole); beyond it an"
+            " upload is refused with 429 and Retry-After. Default: 4 x max_package_bytes."
+        ),
+    )
     log_level: str = Field("INFO", description="Server log level (DEBUG, INFO, WARNING, ...).")
     auth_token: SecretStr | None = Field(
         None,
@@ -149,6 +191,21 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"stop_grace_s ({self.stop_grace_s:g}) must not exceed max_stop_grace_s"
                 f" ({self.max_stop_grace_s:g})"
+            )
+        return self
+
+    @property
+    def upload_bytes_in_flight_limit(self) -> int:
+        if self.max_upload_bytes_in_flight is None:
+            return UPLOADS_IN_FLIGHT_PER_PACKAGE * self.max_package_bytes
+        return self.max_upload_bytes_in_flight
+
+    @model_validator(mode="after")
+    def _largest_package_fits_in_flight(self) -> Settings:
+        if self.upload_bytes_in_flight_limit < self.max_package_bytes:
+            raise ValueError(
+                f"max_upload_bytes_in_flight ({self.upload_bytes_in_flight_limit}) must be at"
+                f" least max_package_bytes ({self.max_package_bytes})"
             )
         return self
 

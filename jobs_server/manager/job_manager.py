@@ -19,6 +19,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from ray.runtime_env import RuntimeEnv
 
 import jobs_server
+from jobs_server.disk_guard import storage_errors_refused
 from jobs_server.errors import (
     InvalidJobOptionsError,
     InvalidRequestError,
@@ -41,6 +42,7 @@ from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.recovery import Recovery
+from jobs_server.manager.retention import Retention, RetentionPolicy
 from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
@@ -95,6 +97,8 @@ class JobManager:
         job_start_timeout_s: float,
         shared_supervisors: int = 1,
         stop_jobs_on_close_s: float | None = None,
+        retention: RetentionPolicy | None = None,
+        on_retention_deleted: Callable[[int], None] | None = None,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -132,6 +136,16 @@ class JobManager:
             log_dir=log_dir,
             job_start_timeout_s=job_start_timeout_s,
         )
+        self._retention = (
+            None
+            if retention is None
+            else Retention(
+                archive=archive,
+                delete_job=self._delete_expired,
+                policy=retention,
+                on_deleted=on_retention_deleted,
+            )
+        )
 
     async def start(self) -> None:
         """Warm the shared supervisors, and reconcile the jobs a previous server left."""
@@ -146,6 +160,8 @@ class JobManager:
             watchers=self._watchers,
         ).recover()
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
+        if self._retention is not None:
+            self._retention.start()
 
     @property
     def archive(self) -> Archive:
@@ -154,6 +170,8 @@ class JobManager:
     async def close(self) -> None:
         """Stop watching; the jobs themselves run on in their detached supervisors (in embedded
         mode they are stopped first: the Ray they run on stops with the server)."""
+        if self._retention is not None:
+            await self._retention.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stop_all_jobs(self._stop_jobs_on_close_s)
         await self._watchers.close()
@@ -218,7 +236,8 @@ class JobManager:
         )
         # On disk before the answer: an accepted job is never lost. If the server dies before
         # the KV has it, the next one's recovery runs it.
-        await self._archive.insert(record)
+        with storage_errors_refused("a submit"):
+            await self._archive.insert(record)
         try:
             await asyncio.to_thread(_set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
@@ -393,6 +412,20 @@ class JobManager:
         record = await self._record(submission_id)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
+        with storage_errors_refused("a delete"):
+            await self._forget(record)
+
+    async def _delete_expired(self, expired: JobRecord) -> bool:
+        """Retention's delete: the run `expired` only, if it is still there and has ended."""
+        record = await self._record(expired.submission_id)
+        if record.run_id != expired.run_id or not record.status.is_terminal():
+            return False
+        await self._forget(record)
+        return True
+
+    async def _forget(self, record: JobRecord) -> None:
+        """Delete an ended run: its archived row (and so its `deleted` event), KV and log."""
+        submission_id = record.submission_id
         await self._history.archive_end(record)
         async with self._history.exclusive(submission_id):
             with contextlib.suppress(Exception):  # gone from the KV already, as it should be

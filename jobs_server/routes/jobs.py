@@ -20,6 +20,7 @@ from jobs_server.api_models import (
 from jobs_server.audit import audit, redacted_runtime_env
 from jobs_server.errors import InvalidRequestError
 from jobs_server.keys import (
+    DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
     RAY_DRIVERS_KEY,
@@ -38,6 +39,7 @@ routes = web.RouteTableDef()
 
 @routes.post("/api/jobs/", name="submit_job")
 async def submit_job(request: web.Request) -> web.Response:
+    await request.app[DISK_GUARD_KEY].ensure_space("a submit")
     body = await read_json_model(
         request, SubmitJobRequest, max_bytes=request.app[SETTINGS_KEY].max_request_bytes
     )

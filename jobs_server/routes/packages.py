@@ -7,7 +7,7 @@ from aiohttp import web
 from jobs_server.api_models import PackageResponse
 from jobs_server.audit import audit
 from jobs_server.errors import PayloadTooLargeError
-from jobs_server.keys import PACKAGE_STORE_KEY, SETTINGS_KEY
+from jobs_server.keys import DISK_GUARD_KEY, PACKAGE_STORE_KEY, SETTINGS_KEY, UPLOAD_BUDGET_KEY
 from jobs_server.manager import package_uri
 from jobs_server.request_body import json_response
 
@@ -25,14 +25,20 @@ async def get_package(request: web.Request) -> web.Response:
 @routes.put("/api/packages/{protocol}/{package_name}", name="upload_package")
 async def upload_package(request: web.Request) -> web.Response:
     """Store the whole body as the package, or nothing: it is read in full (a client that goes
-    away half-way never reaches the store) and checked before one write."""
+    away half-way never reaches the store) and checked before one write. Refused before any of
+    it is read when the disk is nearly full (507), or when the uploads in progress already hold
+    the bytes the server allows in memory (429)."""
     uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
     max_bytes = request.app[SETTINGS_KEY].max_package_bytes
     if request.content_length is not None and request.content_length > max_bytes:
         raise PayloadTooLargeError(
             f"The package is {request.content_length} bytes; the limit is {max_bytes}."
         )
-    data = await request.read()
-    await request.app[PACKAGE_STORE_KEY].upload(uri, data)
+    await request.app[DISK_GUARD_KEY].ensure_space("a package upload")
+    # A body sent without a length (chunked) may be as large as the limit.
+    size_bytes = max_bytes if request.content_length is None else request.content_length
+    with request.app[UPLOAD_BUDGET_KEY].reserve(size_bytes):
+        data = await request.read()
+        await request.app[PACKAGE_STORE_KEY].upload(uri, data)
     audit(request, "upload", uri, bytes=len(data))
     return json_response(PackageResponse(uri=uri))

@@ -9,8 +9,14 @@ from importlib import resources
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jobs_server.api_models import HealthResponse, VersionResponse
-from jobs_server.keys import CLUSTER_HEALTH_KEY, CLUSTER_INFO_KEY, JOB_MANAGER_KEY, METRICS_KEY
+from jobs_server.api_models import DiskHealth, HealthResponse, VersionResponse
+from jobs_server.keys import (
+    CLUSTER_HEALTH_KEY,
+    CLUSTER_INFO_KEY,
+    DISK_GUARD_KEY,
+    JOB_MANAGER_KEY,
+    METRICS_KEY,
+)
 from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
@@ -22,11 +28,16 @@ routes = web.RouteTableDef()
 @routes.get("/api/healthz", name="healthz")
 async def healthz(request: web.Request) -> web.Response:
     """200 once the server is connected to Ray and serving; 503 (saying why) while Ray's GCS
-    is away. It reads what the cluster watch last saw, so a probe costs no call to Ray."""
+    is away. It reads what the cluster watch last saw, so a probe costs no call to Ray. A nearly
+    full disk is reported, not a failure: the server still serves and its jobs go on."""
     health = request.app.get(CLUSTER_HEALTH_KEY)
     if health is not None:
         health.check()
-    return json_response(HealthResponse())
+    space = await request.app[DISK_GUARD_KEY].space()
+    disk = DiskHealth(
+        free_bytes=space.free_bytes, min_free_bytes=space.min_free_bytes, low=space.is_low
+    )
+    return json_response(HealthResponse(disk=disk))
 
 
 @routes.get("/metrics", name="metrics")

@@ -1,0 +1,110 @@
+"""The disk guard: no new work while the disk that holds the jobs' history and logs is nearly full.
+
+Running jobs go on (their logs are appended to as long as the disk has room); what is refused is
+what would add to the disk: a submit, a package upload. A write that fails anyway because the
+disk filled up between the check and the write (SQLite's SQLITE_FULL, an OSError ENOSPC) is the
+same refusal (`storage_errors_refused`), never a 500; SQLite rolls the transaction back, so the
+archive stays whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import sqlite3
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs_server.errors import InsufficientStorageError
+
+# The errno values that say "the disk (or the user's quota on it) is full".
+_DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+@dataclass(frozen=True)
+class DiskSpace:
+    """The free space of the fullest of the guarded filesystems, and the threshold."""
+
+    free_bytes: int
+    min_free_bytes: int
+
+    @property
+    def is_low(self) -> bool:
+        return self.free_bytes < self.min_free_bytes
+
+
+class DiskGuard:
+    """Measures the free space of the filesystems of `directories` (each counted once)."""
+
+    def __init__(self, directories: Sequence[Path], min_free_bytes: int) -> None:
+        self._directories = tuple(directories)
+        self._min_free_bytes = min_free_bytes
+
+    async def space(self) -> DiskSpace:
+        """The space now (statvfs is a syscall that can block on a network filesystem: off
+        the event loop)."""
+        free_bytes = await asyncio.to_thread(self._least_free_bytes)
+        return DiskSpace(free_bytes=free_bytes, min_free_bytes=self._min_free_bytes)
+
+    async def ensure_space(self, action: str) -> None:
+        """Raise InsufficientStorageError, saying why, when the disk is below the threshold."""
+        space = await self.space()
+        if space.is_low:
+            raise InsufficientStorageError(
+                f"The server's disk is nearly full: {space.free_bytes} bytes free, below the "
+                f"{space.min_free_bytes} bytes it keeps free (--min-free-disk-bytes); {action} "
+                "is refused until space is freed (running jobs go on)."
+            )
+
+    def _least_free_bytes(self) -> int:
+        free_by_device: dict[int, int] = {}
+        for directory in self._directories:
+            existing = _nearest_existing(directory)
+            device = existing.stat().st_dev
+            if device not in free_by_device:
+                stats = os.statvfs(existing)
+                # f_bavail, not f_bfree: what a process without root's reserve may still write.
+                free_by_device[device] = stats.f_bavail * stats.f_frsize
+        return min(free_by_device.values())
+
+
+def _nearest_existing(path: Path) -> Path:
+    """`path`, or its closest ancestor that exists (a directory the server creates later is on
+    the filesystem of its parent)."""
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether `error` is a write that failed for want of disk space, or an error raised while
+    handling one (SQLite rolls a transaction back itself on SQLITE_FULL, so the caller's own
+    ROLLBACK then fails with "no transaction is active")."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, sqlite3.Error):
+            if getattr(current, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+                return True
+        elif isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
+@contextlib.contextmanager
+def storage_errors_refused(action: str) -> Iterator[None]:
+    """Turn a write that failed on a full disk into InsufficientStorageError (a 507)."""
+    try:
+        yield
+    except Exception as error:
+        if not is_disk_full(error):
+            raise
+        raise InsufficientStorageError(
+            f"The server's disk is full; {action} is refused until space is freed: {error}"
+        ) from error

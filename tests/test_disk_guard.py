@@ -1,0 +1,260 @@
+"""A full disk is not a crash: on a real small filesystem (tmpfs) that fills up, submits and
+uploads are refused with 507, healthz stays 200 and says so, running jobs go on."""
+
+from __future__ import annotations
+
+import io
+import os
+import sqlite3
+import subprocess
+import zipfile
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from jobs_server.app import create_app
+from jobs_server.disk_guard import is_disk_full, storage_errors_refused
+from jobs_server.errors import InsufficientStorageError
+from jobs_server.manager.archive import archive_path
+from jobs_server.settings import Settings
+from tests.conftest import submit, wait_for_status
+from tests.fakes import FakeJobManager
+from tests.openapi_contract import Contract
+
+Client = TestClient[Any, Any]
+
+SMALL_DISK_BYTES = 16 * 1024 * 1024
+MIN_FREE_BYTES = 4 * 1024 * 1024
+# What the filler file leaves free: below the threshold, above nothing.
+LEFT_FREE_BYTES = 1024 * 1024
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs of its own (the tests run as root, here and in CI)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
+        check=True,
+    )
+    try:
+        yield mount_point
+    finally:
+        # Lazy: a supervisor may still hold a log file open; the memory goes when it lets go.
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+
+
+def fill(disk: Path, leave_free_bytes: int) -> Path:
+    """A file that takes all of `disk`'s free space but `leave_free_bytes`."""
+    stats = os.statvfs(disk)
+    filler = disk / "filler"
+    size = stats.f_bavail * stats.f_frsize - leave_free_bytes
+    with filler.open("wb") as file:
+        os.posix_fallocate(file.fileno(), 0, size)
+    return filler
+
+
+def tiny_zip() -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("hello.py", "print('hello')\n")
+    return buffer.getvalue()
+
+
+@pytest.fixture
+def fake_settings(small_disk: Path) -> Settings:
+    return Settings(
+        port=0,
+        state_dir=small_disk / "state",
+        log_dir=small_disk / "logs",
+        namespace="fake",
+        min_free_disk_bytes=MIN_FREE_BYTES,
+    )
+
+
+@pytest.fixture
+def contract() -> Contract:
+    return Contract.load()
+
+
+async def checked(
+    contract: Contract, client: Client, method: str, path: str, **request: Any
+) -> tuple[int, Any]:
+    """Send the request and check its answer against openapi.yaml; its status and JSON."""
+    async with client.request(method, path, **request) as response:
+        body = await response.read()
+        data = contract.check_response(method, path, response.status, response.headers, body)
+    return response.status, data
+
+
+async def test_a_nearly_full_disk_refuses_new_work_and_healthz_says_so(
+    fake_client: Client, fake: FakeJobManager, small_disk: Path, contract: Contract
+) -> None:
+    status, health = await checked(contract, fake_client, "GET", "/api/healthz")
+    assert status == 200
+    assert health["disk"]["low"] is False
+    assert health["disk"]["min_free_bytes"] == MIN_FREE_BYTES
+    assert MIN_FREE_BYTES < health["disk"]["free_bytes"] <= SMALL_DISK_BYTES
+    before = await submit(fake_client, entrypoint="true")
+
+    filler = fill(small_disk, LEFT_FREE_BYTES)
+
+    status, health = await checked(contract, fake_client, "GET", "/api/healthz")
+    assert status == 200
+    assert health["status"] == "ok"
+    assert health["disk"]["low"] is True
+    assert health["disk"]["free_bytes"] < MIN_FREE_BYTES
+    status, refused = await checked(
+        contract, fake_client, "POST", "/api/jobs/", json={"entrypoint": "true"}
+    )
+    assert status == 507
+    assert refused["error"]["code"] == "insufficient_storage"
+    assert "--min-free-disk-bytes" in refused["error"]["message"]
+    assert "submit" in refused["error"]["message"]
+    package = "/api/packages/gcs/_ray_pkg_0123456789abcdef.zip"
+    status, refused = await checked(contract, fake_client, "PUT", package, data=tiny_zip())
+    assert status == 507
+    assert "upload" in refused["error"]["message"]
+    assert (await fake_client.get(package)).status == 404
+    # What was there is still served.
+    assert [record.submission_id for record in (await fake.list_jobs()).records] == [before]
+    assert (await fake_client.get(f"/api/jobs/{before}")).status == 200
+
+    filler.unlink()
+
+    status, health = await checked(contract, fake_client, "GET", "/api/healthz")
+    assert health["disk"]["low"] is False
+    await submit(fake_client, entrypoint="true")
+    assert (await fake_client.put(package, data=tiny_zip())).status == 200
+
+
+async def test_the_log_directory_s_own_disk_is_guarded_too(
+    aiohttp_client: Callable[..., Awaitable[Client]], small_disk: Path, tmp_path: Path
+) -> None:
+    """Logs on another filesystem than the state: the fuller of the two decides."""
+    settings = Settings(
+        port=0,
+        state_dir=tmp_path / "state",
+        log_dir=small_disk / "logs",
+        namespace="fake",
+        min_free_disk_bytes=MIN_FREE_BYTES,
+    )
+    assert os.stat(tmp_path).st_dev != os.stat(small_disk).st_dev
+    fake = FakeJobManager(settings.log_dir, max_package_bytes=settings.max_package_bytes)
+    client = await aiohttp_client(create_app(settings, backend=fake.backend()))
+    fill(small_disk, LEFT_FREE_BYTES)
+    assert (await client.post("/api/jobs/", json={"entrypoint": "true"})).status == 507
+
+
+@pytest.mark.parametrize(
+    ("error", "full"),
+    [
+        (OSError(28, "No space left on device"), True),
+        (OSError(122, "Disk quota exceeded"), True),
+        (OSError(13, "Permission denied"), False),
+        (ValueError("no"), False),
+    ],
+)
+def test_what_counts_as_a_full_disk(error: BaseException, full: bool) -> None:
+    assert is_disk_full(error) is full
+
+
+def test_an_error_while_handling_a_full_disk_is_a_full_disk() -> None:
+    def rollback_after_a_full_disk() -> None:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise sqlite3.OperationalError("cannot rollback - no transaction is active")  # noqa: B904
+
+    with pytest.raises(InsufficientStorageError), storage_errors_refused("a submit"):
+        rollback_after_a_full_disk()
+
+
+def test_sqlite_full_is_a_refusal_not_a_crash(small_disk: Path) -> None:
+    """SQLite on a disk that fills up: SQLITE_FULL becomes a 507's error, and the database
+    (rolled back) is whole."""
+    database = small_disk / "jobs.db"
+    connection = sqlite3.connect(database)
+    try:
+        connection.execute("PRAGMA journal_mode=WAL")
+        connection.execute("CREATE TABLE jobs (id INTEGER PRIMARY KEY, record BLOB)")
+        connection.execute("INSERT INTO jobs (record) VALUES (?)", (b"kept",))
+        connection.commit()
+        fill(small_disk, 0)
+        refused = pytest.raises(InsufficientStorageError, match="disk is full")
+        with refused, storage_errors_refused("a submit"), connection:
+            for _ in range(64):
+                connection.execute("INSERT INTO jobs (record) VALUES (?)", (b"x" * 65536,))
+        (small_disk / "filler").unlink()
+        assert connection.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+        assert connection.execute("SELECT record FROM jobs").fetchall() == [(b"kept",)]
+    finally:
+        connection.close()
+
+
+async def test_running_jobs_go_on_while_the_disk_is_nearly_full(
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    settings: Settings,
+    small_disk: Path,
+    tmp_path: Path,
+) -> None:
+    settings = settings.model_copy(
+        update={
+            "state_dir": small_disk / "state",
+            "log_dir": small_disk / "logs",
+            "min_free_disk_bytes": MIN_FREE_BYTES,
+        }
+    )
+    client = await aiohttp_client(create_app(settings))
+    go_on = tmp_path / "go-on"
+    job_id = await submit(
+        client,
+        entrypoint=f"echo before; while [ ! -e {go_on} ]; do sleep 0.05; done; echo after",
+    )
+    await wait_for_status(client, job_id, {"RUNNING"})
+
+    fill(small_disk, LEFT_FREE_BYTES)
+    refused = await client.post("/api/jobs/", json={"entrypoint": "true"})
+    assert refused.status == 507, await refused.text()
+    assert (await (await client.get("/api/healthz")).json())["disk"]["low"] is True
+    go_on.touch()
+
+    job = await wait_for_status(client, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    logs = await (await client.get(f"/api/jobs/{job_id}/logs")).json()
+    assert logs["logs"] == "before\nafter\n"
+
+
+async def test_a_write_that_finds_the_disk_full_is_a_507_and_the_archive_stays_whole(
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    settings: Settings,
+    small_disk: Path,
+    contract: Contract,
+) -> None:
+    """No threshold (0 bytes): the archive's own write meets the full disk (SQLITE_FULL)."""
+    state_dir = small_disk / "state"
+    settings = settings.model_copy(
+        update={"state_dir": state_dir, "log_dir": small_disk / "logs", "min_free_disk_bytes": 0}
+    )
+    client = await aiohttp_client(create_app(settings))
+    kept = await submit(client, entrypoint="echo kept", metadata={"team": "x"})
+    assert (await wait_for_status(client, kept))["status"] == "SUCCEEDED"
+
+    filler = fill(small_disk, 0)
+    body = {"entrypoint": "echo refused", "metadata": {"team": "x" * 60_000}}
+    status, refused = await checked(contract, client, "POST", "/api/jobs/", json=body)
+    assert status == 507, refused
+    assert refused["error"]["code"] == "insufficient_storage"
+    assert (await client.get(f"/api/jobs/{kept}")).status == 200
+
+    filler.unlink()
+    again = await submit(client, entrypoint="echo again")
+    assert (await wait_for_status(client, again))["status"] == "SUCCEEDED"
+    listed = await (await client.get("/api/jobs/")).json()
+    assert [job["submission_id"] for job in listed] == [kept, again]
+    with sqlite3.connect(archive_path(state_dir)) as database:
+        assert database.execute("PRAGMA integrity_check").fetchone() == ("ok",)
