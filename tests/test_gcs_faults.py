@@ -38,13 +38,13 @@ from tests.conftest import (
 )
 
 REDIS_SERVER = shutil.which("redis-server")
-pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed")
 
 
 @pytest.fixture(scope="module")
 def redis_address() -> Iterator[str]:
     """A Redis server on a loopback port (no persistence), in its own process group."""
-    assert REDIS_SERVER is not None
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed: run scripts/install-system-packages")
     port = free_port()
     process = subprocess.Popen(
         [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
