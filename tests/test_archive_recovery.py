@@ -13,6 +13,7 @@ from pathlib import Path
 
 from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import new_run_id, now_ms
 from jobs_server.manager.store import JobStore
@@ -23,7 +24,8 @@ from tests.conftest import kill_actors_in_namespace
 async def running_manager(
     gcs_address: str, namespace: str, state_dir: Path
 ) -> AsyncIterator[tuple[JobManager, Archive]]:
-    archive = Archive(archive_path(state_dir))
+    archive = Archive(archive_path(state_dir), on_events=lambda events: event_feed.publish(events))
+    event_feed = EventFeed(archive)
     await archive.open()
     manager = JobManager(
         gcs_address=gcs_address,

@@ -349,12 +349,20 @@ class JobManager:
         # not started. Compare-and-set: if the job ended (or started and was stopped) first,
         # that stays; a supervisor that starts it right now finds the record terminal and
         # stops it.
-        ended = await self._store.update(
-            submission_id,
-            record.run_id,
-            status=JobStatus.STOPPED,
-            message=NEVER_STARTED_MESSAGE,
-        )
+        try:
+            ended = await self._store.update(
+                submission_id,
+                record.run_id,
+                status=JobStatus.STOPPED,
+                message=NEVER_STARTED_MESSAGE,
+            )
+        except JobNotFoundError:
+            # The run left the KV meanwhile: it ended (a late call-off, or its command), its end
+            # was archived and its KV entries forgotten. The archive says how it ended.
+            stored = await self._record(submission_id)
+            if stored.run_id != record.run_id or not stored.status.is_terminal():
+                raise
+            return stored.status is JobStatus.STOPPED
         await self._history.archive_end(ended)
         if supervisor is not None and is_dedicated(name):
             await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
