@@ -31,6 +31,7 @@ async def running_manager(
         gcs_address=gcs_address,
         namespace=namespace,
         archive=archive,
+        event_feed=event_feed,
         log_dir=state_dir / "logs",
         stop_grace_s=0.5,
         job_start_timeout_s=60,
