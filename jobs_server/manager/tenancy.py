@@ -1,0 +1,58 @@
+"""Tenants and roles: whom a key speaks for, what it may do, and what its tenant may queue.
+
+Shared by the authentication layer (which maps a key to a `Principal`) and the manager (which
+scopes every job to a tenant and caps each tenant's queue). No HTTP here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+# The tenant of jobs submitted without tenants configured (no key, or the single admin key of
+# JOBS_SERVER_AUTH_TOKEN), and of jobs archived before tenants existed (tenant NULL).
+DEFAULT_TENANT = "default"
+
+
+class Role(StrEnum):
+    """What a key may do."""
+
+    ADMIN = "admin"
+    """Every action on every tenant's jobs."""
+    SUBMIT = "submit"
+    """Submit, stop and delete its tenant's jobs, upload packages, and read them."""
+    READ = "read"
+    """Read its tenant's jobs, logs and events; nothing that changes anything."""
+
+    def may_change_jobs(self) -> bool:
+        """Submit, stop, delete and upload: every role but `read`."""
+        return self is not Role.READ
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: a key's tenant and role (and the key's name, for the audit log)."""
+
+    tenant: str
+    role: Role
+    key_name: str | None = None
+
+    @property
+    def tenant_scope(self) -> str | None:
+        """The one tenant whose jobs this caller sees; None: every tenant (an admin)."""
+        return None if self.role is Role.ADMIN else self.tenant
+
+
+# Who calls when the server has no authentication at all: an admin of the default tenant.
+ANONYMOUS_ADMIN = Principal(tenant=DEFAULT_TENANT, role=Role.ADMIN)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """A tenant's caps (None: no cap of its own; the server-wide caps still apply)."""
+
+    max_running: int | None = None
+    max_queued: int | None = None
+
+
+NO_LIMITS = TenantLimits()
