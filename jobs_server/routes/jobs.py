@@ -146,10 +146,15 @@ async def list_jobs(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _details_json(request: web.Request, records: list[JobRecord]) -> list[str]:
+async def _details_json(
+    request: web.Request, records: list[JobRecord], *, remember: bool = True
+) -> list[str]:
     cache = request.app[JOB_DETAILS_CACHE_KEY]
     drivers = await request.app[RAY_DRIVERS_KEY].find(records)
-    return [cache.json_for(record, drivers.get(record.submission_id)) for record in records]
+    return [
+        cache.json_for(record, drivers.get(record.submission_id), remember=remember)
+        for record in records
+    ]
 
 
 async def _stream_jobs(
@@ -166,7 +171,8 @@ async def _stream_jobs(
     separator = ""
     batch = first
     while batch is not None:
-        texts = await _details_json(request, batch)
+        # A scan of the whole history: served from the cache, never filling it.
+        texts = await _details_json(request, batch, remember=False)
         if texts:
             await response.write((separator + ",".join(texts)).encode())
             separator = ","
