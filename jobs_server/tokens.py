@@ -136,9 +136,10 @@ def _describe(error: ValidationError) -> str:
     problems = []
     for detail in error.errors(include_url=False, include_input=False):
         where = ""
-        for part in detail["loc"]:
-            if part == "[key]":  # a bad table name: the problem is the name itself
-                continue
+        loc = detail["loc"]
+        if "[key]" in loc:  # a bad table name: the problem is the name itself
+            loc = (*loc[: loc.index("[key]") - 1], repr(loc[loc.index("[key]") - 1]))
+        for part in loc:
             where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
         message = detail["msg"]
         if detail["type"] == "extra_forbidden":

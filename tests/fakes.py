@@ -210,9 +210,10 @@ class FakeJobManager:
         if query.descending:
             records.reverse()
         if after is not None:
-            if after not in self._records:
+            ids = [r.submission_id for r in records]
+            if after not in ids:  # unknown, or another tenant's
                 raise InvalidRequestError(f"after: no job {after!r} to continue after.")
-            records = records[[r.submission_id for r in records].index(after) + 1 :]
+            records = records[ids.index(after) + 1 :]
         return [
             record
             for record in records

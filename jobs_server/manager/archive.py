@@ -406,12 +406,12 @@ class Archive:
         it is not here), and whether more follow."""
         return await self._run(self._page, query, after, limit)
 
-    def _seq_of(self, after: str) -> int:
-        row = (
-            self._conn()
-            .execute("SELECT seq FROM jobs WHERE submission_id = ?", (after,))
-            .fetchone()
-        )
+    def _seq_of(self, after: str, tenant: str | None = None) -> int:
+        # A cursor of another tenant's job is as unknown as one that never existed.
+        sql, parameters = "SELECT seq FROM jobs WHERE submission_id = ?", [after]
+        if tenant is not None:
+            sql, parameters = sql + " AND tenant = ?", [after, tenant]
+        row = self._conn().execute(sql, parameters).fetchone()
         if row is None:
             raise UnknownCursorError(after)
         return int(row[0])
@@ -419,7 +419,7 @@ class Archive:
     def _page(
         self, query: JobQuery, after: str | None, limit: int | None
     ) -> tuple[list[JobRecord], bool]:
-        after_seq = None if after is None else self._seq_of(after)
+        after_seq = None if after is None else self._seq_of(after, query.tenant)
         sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
         rows = self._conn().execute(sql, parameters).fetchall()
         more = limit is not None and len(rows) > limit
@@ -431,7 +431,7 @@ class Archive:
         """Every job matching `query` (after the job `after`: UnknownCursorError, raised before
         any batch, if it is not here), in batches of STREAM_BATCH_ROWS (keyset pagination: each
         batch is one indexed read, and no batch holds the database)."""
-        after_seq = None if after is None else await self._run(self._seq_of, after)
+        after_seq = None if after is None else await self._run(self._seq_of, after, query.tenant)
         while True:
             rows = await self._run(self._batch, query, after_seq)
             if not rows:
