@@ -86,7 +86,6 @@ def create_app(
     app[KEY_RING_KEY] = KeyRing(
         admin_token=resolve_auth_token(settings), tokens_file=settings.tokens_file
     )
-    app.cleanup_ctx.append(reload_keys_on_sighup(KEY_RING_KEY))
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
     app[SHUTTING_DOWN_KEY] = asyncio.Event()
@@ -101,6 +100,8 @@ def create_app(
         app.cleanup_ctx.append(_dashboard_registration)
     else:
         _use_backend(app, backend)
+    # After joining Ray, whose start may set signal handlers of its own.
+    app.cleanup_ctx.append(reload_keys_on_sighup(KEY_RING_KEY))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:

@@ -35,6 +35,7 @@ from jobs_server.manager.cluster_resources import ClusterResources
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
@@ -306,36 +307,14 @@ class JobManager:
 
     async def count_by_status(self, *, tenant: str | None = None) -> dict[JobStatus, int]:
         """How many jobs (of `tenant`; None: of every tenant) of each status."""
-        totals: dict[JobStatus, int] = {}
-        for counts in (await self.count_by_tenant(tenant=tenant)).values():
-            for status, count in counts.items():
-                totals[status] = totals.get(status, 0) + count
-        return totals
+        return total_by_status(await self.count_by_tenant(tenant=tenant))
 
     async def count_by_tenant(
         self, *, tenant: str | None = None
     ) -> dict[str, dict[JobStatus, int]]:
-        """How many jobs of each status by tenant (only `tenant`, if given): the archive's
-        counts, with the live jobs as the KV has them now (what a list would show); no finished
+        """How many jobs of each status by tenant (only `tenant`, if given); no finished
         record is read."""
-        counts = await self._archive.count_by_tenant(tenant)
-        unfinished = [
-            record for record in await self._archive.unfinished() if _in_scope(record, tenant)
-        ]
-        if not unfinished:
-            return counts
-        try:
-            current = await self._store.current(unfinished)
-        except Exception:
-            logger.warning("reading live jobs from the KV failed", exc_info=True)
-            return counts
-        for before in unfinished:
-            now = current.get(before.submission_id, before)
-            if before.status is not now.status:
-                of_tenant = counts.setdefault(before.tenant, {})
-                of_tenant[before.status] = of_tenant.get(before.status, 0) - 1
-                of_tenant[now.status] = of_tenant.get(now.status, 0) + 1
-        return counts
+        return await count_jobs_by_tenant(self._archive, self._store, tenant)
 
     async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
