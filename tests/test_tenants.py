@@ -73,6 +73,12 @@ async def call_route(
         return response.status, await response.json()
 
 
+async def stop_as_admin(session: ClientSession, server: TenantServer, job_id: str) -> None:
+    """Leave no job running (one that ended or was deleted answers too)."""
+    async with session.post(f"/api/jobs/{job_id}/stop", headers=server.headers("ops-admin")):
+        pass
+
+
 def expected_answer(route: str, role: str, owner: str, job_id: str) -> tuple[int, Any]:
     if route in CHANGING_ROUTES and role == "read":
         message = "This key (a-read) may only read: submit, stop, delete and package uploads"
@@ -126,13 +132,13 @@ async def test_route_by_role_and_owner(
             assert _comparable(route, status, body, expected) == expected
         # A refused change changed nothing.
         admin = server.headers("ops-admin")
-        after = await session.get(f"/api/jobs/{job_id}", headers=admin)
-        if route == "delete":
-            assert after.status == (404 if status == 200 else 200)
-        elif route == "stop" and status != 200:
-            assert (await after.json())["status"] in {"PENDING", "RUNNING"}
+        async with session.get(f"/api/jobs/{job_id}", headers=admin) as after:
+            if route == "delete":
+                assert after.status == (404 if status == 200 else 200)
+            elif route == "stop" and status != 200:
+                assert (await after.json())["status"] in {"PENDING", "RUNNING"}
     finally:
-        await session.post(f"/api/jobs/{job_id}/stop", headers=server.headers("ops-admin"))
+        await stop_as_admin(session, server, job_id)
 
 
 @pytest.mark.parametrize(
@@ -160,6 +166,7 @@ async def test_submit_records_the_tenant_of_the_key(
     if tenant is None:
         assert (await response.json())["error"]["code"] == "permission_denied"
         assert stored.status == 404  # nothing was recorded
+        assert (await stored.json())["error"]["code"] == "job_not_found"
         return
     assert (await stored.json())["tenant"] == tenant
     own = await session.get(f"/api/jobs/{submission_id}", headers=server.headers(caller))
@@ -312,10 +319,11 @@ async def test_a_read_key_changes_nothing(
         assert job["status"] in {"PENDING", "RUNNING"}
         after = await session.get("/api/jobs/", headers=admin)
         assert len(await after.json()) == count_before
-        package = await session.get(path, headers=admin) if method == "PUT" else None
-        assert package is None or package.status == 404
+        if method == "PUT":
+            async with session.get(path, headers=admin) as package:
+                assert package.status == 404
     finally:
-        await session.post(f"/api/jobs/{job_id}/stop", headers=admin)
+        await stop_as_admin(session, server, job_id)
 
 
 async def test_the_audit_log_names_tenant_role_and_key(
@@ -324,7 +332,7 @@ async def test_the_audit_log_names_tenant_role_and_key(
     job_id = await submit_as(session, server, "b-submit", entrypoint="true")
     await wait_until_terminal(session, server, job_id)
     deleted = await session.delete(f"/api/jobs/{job_id}", headers=server.headers("ops-admin"))
-    assert deleted.status == 200
+    assert await deleted.json() == {"deleted": True}
     lines = [line for line in _read(server.log_path).splitlines() if f" {job_id} " in line]
     assert any(
         "submit" in line and "tenant=team-b role=submit key=b-submit" in line for line in lines

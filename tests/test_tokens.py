@@ -9,17 +9,23 @@ import signal
 import sqlite3
 import subprocess
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
+from aiohttp.test_utils import TestClient
 
+from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of, new_api_key
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
+from jobs_server.settings import Settings
 from jobs_server.tokens import TokensFileError, load_tokens_file, parse_tokens
 from tests.conftest import wait_until
+from tests.fakes import FakeJobManager
 from tests.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml
 
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
@@ -234,3 +240,37 @@ async def test_jobs_archived_before_tenants_are_the_default_tenants(tmp_path: Pa
         assert "jobs_tenant_seq" in " ".join(str(row) for row in plan.fetchall())
     finally:
         await reopened.close()
+
+
+@pytest.mark.parametrize(
+    ("headers", "status", "code"),
+    [
+        ({}, 401, "unauthorized"),
+        ({"Authorization": "Bearer not-a-key-of-the-file"}, 403, "forbidden"),
+        # The digest itself is not a key.
+        ({"Authorization": f"Bearer {digest_of('the-read-key')}"}, 403, "forbidden"),
+        ({"Authorization": "Bearer the-read-key"}, 200, None),
+        ({"X-Ray-Authorization": "Bearer the-read-key"}, 200, None),
+    ],
+)
+async def test_a_tokens_file_alone_requires_one_of_its_keys(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    fake_settings: Settings,
+    fake: FakeJobManager,
+    tmp_path: Path,
+    headers: dict[str, str],
+    status: int,
+    code: str | None,
+) -> None:
+    tokens_file = tmp_path / "tokens.toml"
+    tokens_file.write_text(
+        f'[[keys]]\ndigest = "{digest_of("the-read-key")}"\ntenant = "t"\nrole = "read"\n'
+    )
+    settings = fake_settings.model_copy(update={"tokens_file": tokens_file})
+    client = await aiohttp_client(create_app(settings, backend=fake.backend()))
+    response = await client.get("/api/jobs/", headers=headers)
+    assert response.status == status
+    body = await response.json()
+    assert (body["error"]["code"] if code else body) == (code or [])
+    # The web page asks for a key.
+    assert 'data-auth="on"' in await (await client.get("/")).text()
