@@ -103,7 +103,7 @@ def _comparable(route: str, status: int, body: Any, expected: Any) -> Any:
     """The parts of `body` that `expected` names (a permission error's message: its start)."""
     if status == 403:
         return {"code": body["code"], "message": body["message"][: len(expected["message"])]}
-    if route == "logs_sse":  # the stream's events: the log text is in one data line
+    if route == "logs_sse" and status == 200:  # the log text is in one data line
         return next(line[len("data: ") :] for line in body.splitlines() if "output" in line)
     if isinstance(expected, dict):
         return {name: body.get(name) for name in expected}
