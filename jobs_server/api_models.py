@@ -188,6 +188,7 @@ class JobDetails(BaseModel):
     entrypoint_memory: int | None
     entrypoint_resources: dict[str, float] | None
     timeout_s: float | None
+    tenant: str = Field(description="Extension: the tenant whose key submitted the job.")
 
     @classmethod
     def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
@@ -228,6 +229,7 @@ class JobDetails(BaseModel):
             entrypoint_memory=spec.entrypoint_memory,
             entrypoint_resources=spec.entrypoint_resources or None,
             timeout_s=spec.timeout_s,
+            tenant=record.tenant,
         )
 
 

@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs_server.manager.tenancy import DEFAULT_TENANT
+
 
 class JobStatus(StrEnum):
     """Ray's job statuses; Ray's SDK rejects any other value."""
@@ -109,6 +111,7 @@ class JobRecord(BaseModel):
     run_id: str = ""
     """Unique per submission: a deleted and resubmitted id is another run, and nothing of the
     old run (its end, its supervisor) applies to the new one."""
+    tenant: str = DEFAULT_TENANT
 
     @property
     def submission_id(self) -> str:
