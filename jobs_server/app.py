@@ -192,6 +192,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             interval_s=settings.retention_interval_s,
         ),
         on_retention_deleted=app[METRICS_KEY].retention_deleted_jobs.inc,
+        max_running_jobs=settings.max_running_jobs,
+        max_queued_jobs=settings.max_queued_jobs,
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(

@@ -43,6 +43,7 @@ from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 FAKE_CLUSTER_INFO = ClusterInfo(
     ray_version=ray.__version__,
@@ -156,12 +157,12 @@ class FakeJobManager:
 
     # The manager's API (jobs_server.manager.JobManagerApi).
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Check the runtime env as the real manager does, then record the job PENDING."""
         await _validate_runtime_env(spec.runtime_env, self.packages)
         if spec.submission_id in self._records:
             raise DuplicateJobError(spec.submission_id)
-        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
+        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.", tenant=tenant)
         self._records[spec.submission_id] = record
         self.event_log.record(JobEventType.SUBMITTED, record, spec.submission_id)
         return record

@@ -15,13 +15,15 @@ from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 
 class JobManagerApi(Protocol):
     """The manager's public methods; each raises the domain errors of `jobs_server.errors`."""
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
-        """Record the job (PENDING) and start it; DuplicateJobError if its id is taken."""
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
+        """Record the job (PENDING) and start it, or queue it over a cap; DuplicateJobError if
+        its id is taken, QueueFullError (nothing recorded) if the queue is full."""
         ...
 
     async def get_job(self, submission_id: str) -> JobRecord:

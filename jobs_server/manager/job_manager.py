@@ -31,9 +31,11 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.dispatcher import Dispatcher, set_aside_orphaned_log
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_queue import Admission, JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
@@ -47,6 +49,7 @@ from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, TenantLimits
 from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
@@ -99,6 +102,9 @@ class JobManager:
         stop_jobs_on_close_s: float | None = None,
         retention: RetentionPolicy | None = None,
         on_retention_deleted: Callable[[int], None] | None = None,
+        max_running_jobs: int | None = None,
+        max_queued_jobs: int | None = None,
+        tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -121,6 +127,9 @@ class JobManager:
             head_node_id=self._head_node_id,
         )
         self._cluster_resources = ClusterResources()
+        self._queue = JobQueue(
+            max_running=max_running_jobs, max_queued=max_queued_jobs, tenant_limits=tenant_limits
+        )
         self._launcher = Launcher(
             supervisors=self._supervisors,
             log_dir=log_dir,
@@ -135,6 +144,16 @@ class JobManager:
             cluster_resources=self._cluster_resources,
             log_dir=log_dir,
             job_start_timeout_s=job_start_timeout_s,
+            on_watch=self._queue.hold,
+            on_end=lambda record: self._dispatcher.run_ended(record),
+        )
+        self._dispatcher = Dispatcher(
+            queue=self._queue,
+            store=self._store,
+            history=self._history,
+            launcher=self._launcher,
+            watchers=self._watchers,
+            supervisors=self._supervisors,
         )
         self._retention = (
             None
@@ -158,7 +177,9 @@ class JobManager:
             supervisors=self._supervisors,
             launcher=self._launcher,
             watchers=self._watchers,
+            queue=self._queue,
         ).recover()
+        self._dispatcher.start()
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
         if self._retention is not None:
             self._retention.start()
@@ -172,6 +193,7 @@ class JobManager:
         mode they are stopped first: the Ray they run on stops with the server)."""
         if self._retention is not None:
             await self._retention.close()
+        await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stop_all_jobs(self._stop_jobs_on_close_s)
         await self._watchers.close()
@@ -218,14 +240,15 @@ class JobManager:
                 record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
             )
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
-        """Record the job and hand it to a supervisor; return at once, the job PENDING."""
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
+        """Record the job and hand it to a supervisor (or queue it, over a cap); return at
+        once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
         await _validate_runtime_env(spec.runtime_env, self._packages)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
-        return await asyncio.shield(self._record_and_hand_over(spec))
+        return await asyncio.shield(self._record_and_hand_over(spec, tenant))
 
-    async def _record_and_hand_over(self, spec: JobSpec) -> JobRecord:
+    async def _record_and_hand_over(self, spec: JobSpec, tenant: str) -> JobRecord:
         run_id = new_run_id()
         record = JobRecord(
             spec=spec,
@@ -233,19 +256,32 @@ class JobManager:
             message="Job is pending.",
             supervisor_name=self._supervisors.name_for(spec, run_id),
             run_id=run_id,
+            tenant=tenant,
         )
+        # Its slot or its place in the queue, taken now (no await since the check: of two
+        # submits racing for the last place one wins); a 429 here has recorded nothing.
+        admission = self._queue.admit(record)
         # On disk before the answer: an accepted job is never lost. If the server dies before
-        # the KV has it, the next one's recovery runs it.
-        with storage_errors_refused("a submit"):
-            await self._archive.insert(record)
+        # the KV has it, the next one's recovery runs (or queues) it.
         try:
-            await asyncio.to_thread(_set_aside_orphaned_log, self._launcher.log_path(record))
+            with storage_errors_refused("a submit"):
+                await self._archive.insert(record)
+        except BaseException:
+            self._queue.cancel(record, admission)
+            raise
+        if admission is Admission.QUEUE:
+            self._queue.enqueue(record)
+            self._dispatcher.fill()
+            return record
+        try:
+            await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
             launch = await self._launcher.launch(record)
         except Exception as error:
             with contextlib.suppress(Exception):
                 await self._store.delete(record)
             await self._archive.delete(record.submission_id, record.run_id)
+            self._dispatcher.run_ended(record)
             if isinstance(error, ValueError | TypeError | ArithmeticError):
                 raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
             raise
@@ -333,6 +369,14 @@ class JobManager:
         record = await self._record(submission_id)
         if record.status.is_terminal():
             return False
+        if record.status is JobStatus.PENDING:
+            # Queued (or being handed over): the queue stops it before its command starts.
+            stopped = await self._dispatcher.stop_before_start(record)
+            if stopped is not None:
+                return stopped
+            record = await self._record(submission_id)
+            if record.status.is_terminal():
+                return False
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
         if record.status is JobStatus.RUNNING and supervisor is not None:
@@ -497,21 +541,15 @@ class JobManager:
             return True  # deleted while being read: nothing more will be written
 
     async def _with_wait_message(self, record: JobRecord) -> JobRecord:
-        """A pending job that waits for resources says which, and what the cluster has."""
+        """A queued job says its place and the cap it waits behind; a pending job handed over
+        that waits for resources says which, and what the cluster has."""
         if record.status is not JobStatus.PENDING:
             return record
+        queued = self._queue.describe(record.submission_id)
+        if queued is not None:
+            return record.with_changes(message=queued)
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
         return record if waiting_for is None else record.with_changes(message=waiting_for)
-
-
-def _set_aside_orphaned_log(path: Path) -> None:
-    """A log file of an id the archive does not have belongs to no record (the archive was
-    lost, or a delete could not remove it): the new job must not append to it, and its bytes
-    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
-    if path.exists():
-        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
-        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
-        path.rename(orphan)
 
 
 async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:

@@ -9,6 +9,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs_server.manager.tenancy import DEFAULT_TENANT
+
+# A queued job's priority: higher first (job_queue.py), within these bounds.
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
+
 
 class JobStatus(StrEnum):
     """Ray's job statuses; Ray's SDK rejects any other value."""
@@ -64,6 +70,7 @@ class JobSpec(BaseModel):
     entrypoint_resources: dict[str, float] = Field(default_factory=dict)
     entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
     timeout_s: float | None = None
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     def needs_own_supervisor(self) -> bool:
         """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
@@ -106,6 +113,7 @@ class JobRecord(BaseModel):
     supervisor_actor_id: str | None = None
     """The incarnation of `supervisor_name` that runs the job (its Ray actor id), written with
     RUNNING: a new actor under the same name never ran it."""
+    tenant: str = DEFAULT_TENANT
     run_id: str = ""
     """Unique per submission: a deleted and resubmitted id is another run, and nothing of the
     old run (its end, its supervisor) applies to the new one."""
