@@ -122,7 +122,9 @@ class Dispatcher:
         except Exception as error:
             await self._fail(record, error)
             return HandOver.FAILED
-        self._watchers.watch(record, launch)
+        # The start timeout (--job-start-timeout-s) counts from the hand-over, not from the
+        # submit: the time it waited in the queue is not time it waited to start.
+        self._watchers.watch(record.with_changes(start_time=now_ms()), launch)
         return HandOver.STARTED
 
     async def _end_called_off(self, record: JobRecord, supervisor: object) -> None:

@@ -184,6 +184,10 @@ class JobManager:
         if self._retention is not None:
             self._retention.start()
 
+    def limits_changed(self) -> None:
+        """The tenants' caps may have changed (their file re-read): hand over what they allow."""
+        self._dispatcher.fill()
+
     @property
     def archive(self) -> Archive:
         return self._archive
@@ -206,7 +210,8 @@ class JobManager:
             "The job was stopped because the server shut down (in embedded mode its Ray "
             "instance stops with it)."
         )
-        live = await self._archive.unfinished()
+        # Queued jobs never started: they stay queued, for the next server to run.
+        live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
         grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
 
         async def stop(record: JobRecord) -> None:
@@ -236,6 +241,8 @@ class JobManager:
             await self._watchers.wait(deadline - time.monotonic())
         # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
         for record in await self._archive.unfinished():
+            if record.submission_id in self._queue:
+                continue
             await self._archive.update(
                 record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
             )
@@ -268,6 +275,7 @@ class JobManager:
                 await self._archive.insert(record)
         except BaseException:
             self._queue.cancel(record, admission)
+            self._dispatcher.fill()
             raise
         if admission is Admission.QUEUE:
             self._queue.enqueue(record)
@@ -333,7 +341,10 @@ class JobManager:
         """How many jobs of each status: the archive's counts, with the live jobs as the KV has
         them now (what a list would show); no finished record is read."""
         counts = await self._archive.count_by_status()
-        unfinished = await self._archive.unfinished()
+        # Queued jobs are not in the KV: they are as archived (PENDING).
+        unfinished = [
+            r for r in await self._archive.unfinished() if r.submission_id not in self._queue
+        ]
         if not unfinished:
             return counts
         try:
@@ -351,11 +362,16 @@ class JobManager:
     async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
         after the KV): one KV round trip per batch, none for a batch of finished jobs."""
-        live = [record for record in records if not record.status.is_terminal()]
-        if not live:
+        if all(record.status.is_terminal() for record in records):
             return records
+        # Queued jobs are not in the KV yet.
+        live = [
+            record
+            for record in records
+            if not record.status.is_terminal() and record.submission_id not in self._queue
+        ]
         try:
-            current = await self._store.current(live)
+            current = await self._store.current(live) if live else {}
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
             current = {}
