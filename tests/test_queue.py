@@ -88,6 +88,21 @@ async def test_over_the_cap_a_job_waits_with_its_place_and_a_full_queue_is_429(
     assert not (tmp_path / "first").exists()
 
 
+async def test_the_message_says_whether_a_job_waits_for_a_slot_or_for_resources(
+    client: Client, tmp_path: Path
+) -> None:
+    holder = await submit(client, entrypoint="true", entrypoint_resources={"unobtainium": 1})
+    waiting = await wait_for_status(client, holder, {"PENDING"}, message_part="Waiting for")
+    assert waiting["message"].startswith("Waiting for resources no node has: ")
+    queued = await submit(client, entrypoint=f"echo ran > {tmp_path / 'ran'}")
+    job = await (await client.get(f"/api/jobs/{queued}")).json()
+    assert (job["status"], job["message"]) == ("PENDING", "Queued: 1st of 1; 1 of 1 running")
+    # The handed-over job held the slot while it waited for Ray; stopped, it frees it.
+    assert (await (await client.post(f"/api/jobs/{holder}/stop")).json())["stopped"] is True
+    assert (await wait_for_status(client, queued, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+    assert (tmp_path / "ran").read_text() == "ran\n"
+
+
 async def test_a_priority_goes_first_and_ray_clients_need_not_send_one(
     client: Client, tmp_path: Path
 ) -> None:
