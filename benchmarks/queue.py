@@ -53,6 +53,8 @@ DONE_POLL_INTERVAL_S = 0.2
 BURST_TIMEOUT_S = 900.0
 SLEEPERS_RUNNING_TIMEOUT_S = 300.0
 IDLE_CPU_WINDOW_S = 10.0
+# How long the sleepers get to end once stopped (the cluster's end stops the rest).
+STOP_TIMEOUT_S = 60.0
 MIB = 2**20
 # The figures for main (no cap): the same burst.
 MAIN_POST_P50_S = 0.172
@@ -226,6 +228,7 @@ async def sleepers(url: str, pid: int, args: argparse.Namespace) -> dict[str, fl
         used_s = (after.user - before.user) + (after.system - before.system)
         figures["idle_cpu"] = used_s / IDLE_CPU_WINDOW_S
         figures["rss_with_sleepers"] = summed_rss_bytes(process_tree(server))
+        logger.info("sleepers: %s; stopping them", figures)
         stop_errors = 0
         semaphore = asyncio.Semaphore(args.in_flight)
 
@@ -238,7 +241,7 @@ async def sleepers(url: str, pid: int, args: argparse.Namespace) -> dict[str, fl
                     stop_errors += 1
 
         await asyncio.gather(*(stop(job.submission_id) for job in accepted))
-        await wait_until_all_ended(api, time.monotonic() + 300)
+        await wait_until_all_ended(api, time.monotonic() + STOP_TIMEOUT_S)
         if stop_errors:
             figures["stop_errors"] = stop_errors
     return figures
