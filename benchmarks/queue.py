@@ -253,7 +253,9 @@ def fmt_s(value: float | str) -> str:
     return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
-def verdict(met: bool) -> str:
+def verdict(met: bool, *figures: float | str) -> str:
+    if any(isinstance(f, str) or f != f for f in figures):  # a string, or NaN: no figure
+        return "not measured"
     return "**met**" if met else "**not met**"
 
 
@@ -280,7 +282,7 @@ def render(
             "—",
             f"{int(num(capped, 'succeeded')):,} SUCCEEDED",
             "all",
-            verdict(num(capped, "succeeded") == args.jobs),
+            verdict(num(capped, "succeeded") == args.jobs, num(capped, "succeeded")),
         ),
         ("POST /api/jobs/ p50", fmt_s(MAIN_POST_P50_S), fmt_s(p50), "—", "for information"),
         (
@@ -288,43 +290,43 @@ def render(
             fmt_s(MAIN_POST_P99_S),
             fmt_s(p99),
             "≤ 100 ms",
-            verdict(p99 <= 0.1),
+            verdict(p99 <= 0.1, p99),
         ),
         (
             "most jobs seen RUNNING at once (sampled through the API)",
             str(MAIN_MAX_RUNNING),
             f"{running:.0f}",
             f"≤ {cap}",
-            verdict(running <= cap),
+            verdict(running <= cap, running),
         ),
         (
             "most job commands alive at once (sampled: launcher processes)",
             "—",
             f"{commands:.0f}",
             f"≤ {cap}",
-            verdict(commands <= cap),
+            verdict(commands <= cap, commands),
         ),
-        ("jobs completed per second", "—", f"{rate:.0f}/s", "≥ 150/s", verdict(rate >= 150)),
+        ("jobs completed per second", "—", f"{rate:.0f}/s", "≥ 150/s", verdict(rate >= 150, rate)),
         (
             "server RSS growth",
             f"+{MAIN_RSS_GROWTH / MIB:.0f} MiB",
             f"+{growth / MIB:.1f} MiB",
             "≤ 100 MiB",
-            verdict(growth <= 100 * MIB),
+            verdict(growth <= 100 * MIB, growth),
         ),
         (
             f"{args.sleepers:,} `sleep 300`, no cap: last POST → all RUNNING",
             "—",
             fmt_s(all_running),
             "≤ 5 s",
-            verdict(isinstance(all_running, float) and all_running <= 5),
+            verdict(isinstance(all_running, float) and all_running <= 5, all_running),
         ),
         (
             f"server CPU, idle with {args.sleepers:,} running",
             "—",
             f"{idle * 100:.1f} %",
             "≤ 5 %",
-            verdict(idle <= 0.05),
+            verdict(idle <= 0.05, idle),
         ),
     ]
     lines = [
