@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from jobs_server.errors import QueueFullError
+from jobs_server.errors import JobNotFoundError, QueueFullError
 from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed
@@ -211,6 +211,9 @@ async def test_a_tenant_at_its_caps_waits_or_is_refused_while_others_run(
         record = await manager.get_job("a-queued")
         assert record.status is JobStatus.PENDING
         assert record.message == "Queued: 1st of 1; 1 running; tenant a: 1 of 1 running"
+        # Queued: an archive row only, nothing in the KV (no supervisor knows of it).
+        with pytest.raises(JobNotFoundError):
+            await manager._store.get("a-queued")
         with pytest.raises(QueueFullError) as refused:
             await manager.submit_job(spec("a-refused"), tenant="a")
         assert "tenant 'a'" in refused.value.message
