@@ -1,7 +1,8 @@
 """The queue survives a server killed with SIGKILL, in the same order (issue 15, item 4): a real
 server on a Ray cluster of its own, a full queue, kill -9 of the server, a new server on the same
 state dir and cluster. Queued jobs are archive rows never handed over; the new server queues them
-again in their order, and they run in it."""
+again in their order, and they run in it. And an embedded server that stops leaves its queued
+jobs queued for the next one."""
 
 from __future__ import annotations
 
@@ -9,7 +10,12 @@ from pathlib import Path
 
 import requests
 
-from tests.test_restarts import Cluster, Server, ray_tmpdir  # noqa: F401 (a fixture)
+from tests.test_restarts import (  # noqa: F401 (ray_tmpdir: a fixture)
+    Cluster,
+    Server,
+    embedded_server,
+    ray_tmpdir,
+)
 
 
 def test_a_full_queue_survives_kill_9_of_the_server_in_the_same_order(
@@ -65,3 +71,27 @@ def test_a_full_queue_survives_kill_9_of_the_server_in_the_same_order(
     finally:
         server.stop()
         cluster.stop()
+
+
+def test_queued_jobs_wait_for_the_next_embedded_server_when_one_stops(
+    tmp_path: Path,
+    ray_tmpdir: Path,  # noqa: F811
+) -> None:
+    """An embedded server's jobs stop with it (its Ray does); a queued job never started, so it
+    stays queued and the next server runs it."""
+    order = tmp_path / "order"
+    server = embedded_server(tmp_path, ray_tmpdir)
+    server.ray_args += ["--max-running-jobs", "1"]
+    try:
+        server.start()
+        blocker = server.submit(entrypoint=f"while [ ! -e {tmp_path / 'go'} ]; do sleep 0.05; done")
+        server.wait_status(blocker, "RUNNING")
+        queued = server.submit(submission_id="queued", entrypoint=f"echo queued >> {order}")
+        assert server.job(queued)["message"] == "Queued: 1st of 1; 1 of 1 running"
+        server.stop()  # SIGTERM
+        server.start()
+        assert server.job(blocker)["status"] == "STOPPED"
+        assert server.wait_status(queued, "SUCCEEDED", "FAILED")["status"] == "SUCCEEDED"
+        assert order.read_text() == "queued\n"
+    finally:
+        server.stop()
