@@ -9,6 +9,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager.events import JobEvent
+from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -77,6 +78,9 @@ class SubmitJobRequest(BaseModel):
     timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = Field(
         None, description="Extension: stop the job and fail it when it runs longer than this."
     )
+    priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)] = Field(
+        0, description="Extension: a queued job's priority, higher first."
+    )
 
     @model_validator(mode="after")
     def _bounded_sizes(self) -> SubmitJobRequest:
@@ -101,6 +105,7 @@ class SubmitJobRequest(BaseModel):
             entrypoint_resources=self.entrypoint_resources or {},
             entrypoint_label_selector=self.entrypoint_label_selector or {},
             timeout_s=self.timeout_s,
+            priority=self.priority,
         )
 
 
@@ -189,6 +194,7 @@ class JobDetails(BaseModel):
     entrypoint_resources: dict[str, float] | None
     timeout_s: float | None
     tenant: str = Field(description="Extension: the tenant whose key submitted the job.")
+    priority: int
 
     @classmethod
     def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
@@ -230,6 +236,7 @@ class JobDetails(BaseModel):
             entrypoint_resources=spec.entrypoint_resources or None,
             timeout_s=spec.timeout_s,
             tenant=record.tenant,
+            priority=spec.priority,
         )
 
 

@@ -197,7 +197,12 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             interval_s=settings.retention_interval_s,
         ),
         on_retention_deleted=app[METRICS_KEY].retention_deleted_jobs.inc,
+        max_running_jobs=settings.max_running_jobs,
+        max_queued_jobs=settings.max_queued_jobs,
+        # Read at each decision, so the caps of a tokens file re-read on SIGHUP apply at once.
+        tenant_limits=app[KEY_RING_KEY].limits_for,
     )
+    app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(
         app,

@@ -16,7 +16,8 @@ JobsServerError
 ├── CrossSiteRequestError      a browser request from another site (403)
 ├── PayloadTooLargeError       a body over the configured limit
 ├── TooManyRequestsError       over a bound on work in progress; try again later (429)
-│   └── UploadCapacityError    the bytes of package uploads in flight are at their bound
+│   ├── UploadCapacityError    the bytes of package uploads in flight are at their bound
+│   └── QueueFullError         the queue of jobs waiting for a slot is full (global or tenant)
 ├── InsufficientStorageError   the state directory's disk is (nearly) full (507)
 ├── UnsupportedMediaTypeError  a body that is not JSON
 └── ClusterUnavailableError    Ray could not be reached
@@ -38,6 +39,10 @@ class JobsServerError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers of this error's answer (its class's, or its own)."""
+        return dict(self.headers)
 
 
 class InvalidRequestError(JobsServerError):
@@ -121,6 +126,20 @@ class TooManyRequestsError(JobsServerError):
 class UploadCapacityError(TooManyRequestsError):
     code = "upload_capacity_exceeded"
     headers: ClassVar[dict[str, str]] = {"Retry-After": str(UPLOAD_RETRY_AFTER_S)}
+
+
+class QueueFullError(TooManyRequestsError):
+    """A submit over a cap of running jobs finds the queue (the server's, or its tenant's)
+    full; nothing was recorded. `retry_after_s`: when a place likely frees."""
+
+    code = "queue_full"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    def response_headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
 
 
 class InsufficientStorageError(JobsServerError):

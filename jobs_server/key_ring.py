@@ -40,6 +40,21 @@ class KeyRing:
         self._admin_token = admin_token
         self.tokens_file = tokens_file
         self._keys = _NO_KEYS if tokens_file is None else load_tokens_file(tokens_file)
+        self._reload_listeners: list[Callable[[], None]] = []
+
+    def add_reload_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the event loop) after each reload that took: the queue hands
+        over what tenants' new caps allow."""
+        self._reload_listeners.append(listener)
+
+    def _reloaded(self, reload: asyncio.Task[bool]) -> None:
+        if reload.cancelled() or reload.exception() is not None or not reload.result():
+            return
+        for listener in self._reload_listeners:
+            try:
+                listener()
+            except Exception:
+                logger.exception("a listener of the tokens file's reload failed")
 
     @property
     def requires_key(self) -> bool:
@@ -100,6 +115,7 @@ def reload_keys_on_sighup(
             task = loop.create_task(asyncio.to_thread(ring.reload), name="reload-tokens")
             reloads.add(task)
             task.add_done_callback(reloads.discard)
+            task.add_done_callback(ring._reloaded)
 
         try:
             loop.add_signal_handler(signal.SIGHUP, on_sighup)

@@ -87,7 +87,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return await handler(request)
     except JobsServerError as error:
         response = error_response(status_for(error), error.code, error.message)
-        response.headers.update(error.headers)
+        response.headers.update(error.response_headers())
         return response
     except web.HTTPException as error:
         if error.status < 400:

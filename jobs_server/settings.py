@@ -13,6 +13,10 @@ LOG_DIR_NAME = "logs"
 # Where the `auth_token` field is read from (pydantic-settings: prefix + name, any case).
 AUTH_TOKEN_ENV_VAR = "JOBS_SERVER_AUTH_TOKEN"
 RETENTION_MAX_AGE_S = 30 * 24 * 3600
+# Jobs waiting for a slot, by default: each is held in memory (about 2 KiB) besides its archive
+# row, and it stays a tenth of the default retention (live jobs count there, and are never
+# deleted); beyond it a client is better told 429 and when to come back than queued for hours.
+DEFAULT_MAX_QUEUED_JOBS = 10_000
 # Uploads of the largest package size that may be in memory at once, by default.
 UPLOADS_IN_FLIGHT_PER_PACKAGE = 4
 
@@ -76,6 +80,22 @@ class Settings(BaseSettings):
         description=(
             "Warm supervisor actors shared by the jobs that need no runtime env or resources of"
             " their own (0: every job gets its own supervisor)."
+        ),
+    )
+    max_running_jobs: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Jobs running at once (handed to a supervisor, not yet ended; one that waits for"
+            " Ray's resources counts); more wait PENDING in the queue. Default: unlimited."
+        ),
+    )
+    max_queued_jobs: int = Field(
+        DEFAULT_MAX_QUEUED_JOBS,
+        ge=0,
+        description=(
+            "Jobs waiting in the queue at once (over --max-running-jobs or a tenant's cap);"
+            " beyond it a submit is refused with 429 and Retry-After."
         ),
     )
     namespace: str = Field(

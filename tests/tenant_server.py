@@ -36,14 +36,20 @@ KEY_SPECS: dict[str, tuple[str, str]] = {
 AUTH_TOKEN = "tenant-tests-auth-token"
 
 
-def tokens_toml(keys: dict[str, str], specs: dict[str, tuple[str, str]]) -> str:
-    """A tokens file with the digests of `keys` (by name), their tenants and roles."""
+DEFAULT_LIMITS_TOML = "\n[tenants.team-a]\nmax_running = 10\nmax_queued = 100\n"
+
+
+def tokens_toml(
+    keys: dict[str, str], specs: dict[str, tuple[str, str]], limits: str = DEFAULT_LIMITS_TOML
+) -> str:
+    """A tokens file with the digests of `keys` (by name), their tenants and roles, and the
+    tenants' caps `limits` (TOML)."""
     entries = [
         f'[[keys]]\nname = "{name}"\ndigest = "{digest_of(key)}"\n'
         f'tenant = "{specs[name][0]}"\nrole = "{specs[name][1]}"\n'
         for name, key in keys.items()
     ]
-    return "\n".join(entries) + "\n[tenants.team-a]\nmax_running = 10\nmax_queued = 100\n"
+    return "\n".join(entries) + limits
 
 
 @dataclass
@@ -60,11 +66,13 @@ class TenantServer:
         return {"Authorization": f"Bearer {key}"}
 
 
-def run_tenant_server(ray_address: str, workdir: Path) -> Iterator[TenantServer]:
+def run_tenant_server(
+    ray_address: str, workdir: Path, limits: str = DEFAULT_LIMITS_TOML
+) -> Iterator[TenantServer]:
     """Start a server with a fresh tokens file in `workdir`; stop it (and its actors) after."""
     keys = {name: new_api_key() for name in KEY_SPECS}
     tokens_file = workdir / "tokens.toml"
-    tokens_file.write_text(tokens_toml(keys, KEY_SPECS))
+    tokens_file.write_text(tokens_toml(keys, KEY_SPECS, limits))
     port = free_port()
     namespace = f"test_tenants_{uuid.uuid4().hex[:8]}"
     log_path = workdir / "server.log"

@@ -46,7 +46,8 @@ NOT_PROVOKED = {
     "_does_not... and tests/test_gcs_faults.py",
     "401": "needs a server with a token: test_token_answers_match_the_document",
     "403": "needs a server with a token: test_token_answers_match_the_document",
-    "429": "needs uploads in flight: tests/test_upload_budget.py checks it against the document",
+    "429": "needs uploads in flight or a full queue: tests/test_upload_budget.py and"
+    " tests/test_queue.py check it against the document",
     "507": "needs a full disk: tests/test_disk_guard.py checks it against the document",
 }
 # What answers without a token: the probe, and the web page (it asks for the key itself).

@@ -94,6 +94,12 @@ async def test_unknown_job_is_404_json(fake_client: Client, method: str, path: s
             "invalid_request",
             "entrypoint_resources",
         ),
+        ({"entrypoint": "true", "priority": 1001}, "invalid_request", "priority"),
+        ({"entrypoint": "true", "priority": -1001}, "invalid_request", "priority"),
+        ({"entrypoint": "true", "priority": 1.5}, "invalid_request", "priority"),
+        ({"entrypoint": "true", "priority": "1"}, "invalid_request", "priority"),
+        ({"entrypoint": "true", "priority": True}, "invalid_request", "priority"),
+        ({"entrypoint": "true", "priority": None}, "invalid_request", "priority"),
         (
             {"entrypoint": "true", "runtime_env": {"env_vars": {"A": 1}}},
             "invalid_runtime_env",
@@ -134,6 +140,7 @@ async def test_a_valid_submit_reaches_the_manager_as_sent(
         "entrypoint_memory": 1024,
         "entrypoint_resources": {"custom": 1},
         "timeout_s": 30,
+        "priority": -7,
     }
     assert await submit(fake_client, **body) == "valid-1"
     spec = (await fake.get_job("valid-1")).spec

@@ -26,8 +26,9 @@ class JobManagerApi(Protocol):
     """
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
-        """Record the job (PENDING) of `tenant` and start it; DuplicateJobError if its id is
-        taken (by any tenant)."""
+        """Record the job (PENDING) of `tenant` and start it, or queue it over a cap;
+        DuplicateJobError if its id is taken (by any tenant), QueueFullError (nothing recorded)
+        if the queue is full."""
         ...
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:

@@ -6,7 +6,8 @@ KV only coordinates live jobs with their supervisors; the archive is what surviv
 the server or of the whole cluster.
 
 One connection, used from one dedicated thread (sqlite3 objects are not shared between threads);
-the event loop never waits on the disk.
+the event loop never waits on the disk. Writes are group-committed (group_commit.py): those that
+arrive while a transaction commits share the next one, each answered once it is durable.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.group_commit import GroupCommit
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,9 @@ class Archive:
         self._max_events = max_events
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive")
         self._db: sqlite3.Connection | None = None
+        self._writes = GroupCommit(
+            run=self._run, connection=self._conn, after_each_batch=self._trim_events
+        )
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -146,6 +151,7 @@ class Archive:
         self._db = db
 
     async def close(self) -> None:
+        await self._writes.close()
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
@@ -170,7 +176,8 @@ class Archive:
 
     async def insert(self, record: JobRecord) -> None:
         """Record a new job; DuplicateJobError if its submission_id is in the archive."""
-        self._notify(await self._run(self._insert, record))
+        _, events = await self._writes.write(lambda db: (None, self._insert_row(db, record)))
+        self._notify(events)
 
     async def insert_many(self, records: list[JobRecord]) -> None:
         """Record many new jobs in one transaction (an import, a benchmark's history); all or
@@ -182,18 +189,6 @@ class Archive:
         db.execute("BEGIN IMMEDIATE")
         try:
             events = [event for record in records for event in self._insert_row(db, record)]
-            self._trim_events(db)
-            db.execute("COMMIT")
-        except BaseException:
-            _rollback(db)
-            raise
-        return events
-
-    def _insert(self, record: JobRecord) -> list[JobEvent]:
-        db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            events = self._insert_row(db, record)
             self._trim_events(db)
             db.execute("COMMIT")
         except BaseException:
@@ -232,72 +227,58 @@ class Archive:
         """Store what the server learned of the run `record`; an event if its status changed.
         A terminal row never changes (the first terminal status wins, as in the KV). Returns
         the row as stored, None if the run is not in the archive (deleted, or another run)."""
-        stored, events = await self._run(self._update, record)
+        stored, events = await self._writes.write(lambda db: self._update(db, record))
         self._notify(events)
-        return stored
+        stored_record: JobRecord | None = stored
+        return stored_record
 
-    def _update(self, record: JobRecord) -> tuple[JobRecord | None, list[JobEvent]]:
-        db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            row = db.execute(
-                "SELECT status, record, tenant FROM jobs WHERE submission_id = ? AND run_id = ?",
-                (record.submission_id, record.run_id),
-            ).fetchone()
-            if row is None:
-                db.execute("COMMIT")
-                return None, []
-            status, text, tenant = row
-            if JobStatus(status).is_terminal():
-                db.execute("COMMIT")
-                return JobRecord.model_validate_json(text), []
-            db.execute(
-                "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
-                " WHERE submission_id = ? AND run_id = ?",
-                (
-                    record.status.value,
-                    record.start_time,
-                    record.end_time,
-                    record.model_dump_json(),
-                    record.submission_id,
-                    record.run_id,
-                ),
-            )
-            events = []
-            if record.status.value != status:
-                events.append(self._event(db, JobEventType.STATUS, record, tenant))
-                self._trim_events(db)
-            db.execute("COMMIT")
-        except BaseException:
-            _rollback(db)
-            raise
+    def _update(
+        self, db: sqlite3.Connection, record: JobRecord
+    ) -> tuple[JobRecord | None, list[JobEvent]]:
+        row = db.execute(
+            "SELECT status, record, tenant FROM jobs WHERE submission_id = ? AND run_id = ?",
+            (record.submission_id, record.run_id),
+        ).fetchone()
+        if row is None:
+            return None, []
+        status, text, tenant = row
+        if JobStatus(status).is_terminal():
+            return JobRecord.model_validate_json(text), []
+        db.execute(
+            "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
+            " WHERE submission_id = ? AND run_id = ?",
+            (
+                record.status.value,
+                record.start_time,
+                record.end_time,
+                record.model_dump_json(),
+                record.submission_id,
+                record.run_id,
+            ),
+        )
+        events = []
+        if record.status.value != status:
+            events.append(self._event(db, JobEventType.STATUS, record, tenant))
         return record, events
 
     async def delete(self, submission_id: str, run_id: str | None = None) -> bool:
         """Forget a job (its run `run_id`, if given); whether there was one."""
-        deleted, events = await self._run(self._delete, submission_id, run_id)
+        deleted, events = await self._writes.write(
+            lambda db: self._delete(db, submission_id, run_id)
+        )
         self._notify(events)
-        return deleted
+        return bool(deleted)
 
-    def _delete(self, submission_id: str, run_id: str | None) -> tuple[bool, list[JobEvent]]:
-        db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            row = db.execute(
-                "SELECT run_id, tenant FROM jobs WHERE submission_id = ?", (submission_id,)
-            ).fetchone()
-            if row is None or (run_id is not None and row[0] != run_id):
-                db.execute("COMMIT")
-                return False, []
-            db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
-            event = self._add_event(
-                db, JobEventType.DELETED, submission_id, row[1], None, None, None
-            )
-            self._trim_events(db)
-            db.execute("COMMIT")
-        except BaseException:
-            _rollback(db)
-            raise
+    def _delete(
+        self, db: sqlite3.Connection, submission_id: str, run_id: str | None
+    ) -> tuple[bool, list[JobEvent]]:
+        row = db.execute(
+            "SELECT run_id, tenant FROM jobs WHERE submission_id = ?", (submission_id,)
+        ).fetchone()
+        if row is None or (run_id is not None and row[0] != run_id):
+            return False, []
+        db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
+        event = self._add_event(db, JobEventType.DELETED, submission_id, row[1], None, None, None)
         return True, [event]
 
     def _event(

@@ -4,6 +4,7 @@ finished record."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.records import JobStatus
@@ -14,12 +15,17 @@ logger = logging.getLogger(__name__)
 Counts = dict[str, dict[JobStatus, int]]
 
 
-async def count_jobs_by_tenant(archive: Archive, store: JobStore, tenant: str | None) -> Counts:
+async def count_jobs_by_tenant(
+    archive: Archive, store: JobStore, tenant: str | None, *, queued: Container[str] = ()
+) -> Counts:
     """The archive's counts (of `tenant` only, if given), with the live jobs as the KV has them
-    now (the archive learns a status a moment after the KV: this is what a list would show)."""
+    now (the archive learns a status a moment after the KV: this is what a list would show).
+    `queued` jobs are not in the KV: they count as archived (PENDING)."""
     counts = await archive.count_by_tenant(tenant)
     unfinished = [
-        record for record in await archive.unfinished() if tenant is None or record.tenant == tenant
+        record
+        for record in await archive.unfinished()
+        if (tenant is None or record.tenant == tenant) and record.submission_id not in queued
     ]
     if not unfinished:
         return counts

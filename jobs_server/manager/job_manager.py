@@ -32,10 +32,12 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.dispatcher import Dispatcher, set_aside_orphaned_log
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_counts import count_jobs_by_tenant, total_by_status
+from jobs_server.manager.job_queue import Admission, JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
@@ -49,7 +51,7 @@ from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
-from jobs_server.manager.tenancy import DEFAULT_TENANT
+from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, TenantLimits
 from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
@@ -72,9 +74,14 @@ _SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
 
 def new_submission_id() -> str:
     """A random id in Ray's format, e.g. raysubmit_4LamXRuQpYdSMg7J."""
-    return SUBMISSION_ID_PREFIX + "".join(
-        secrets.choice(_SUBMISSION_ID_ALPHABET) for _ in range(16)
-    )
+    # One read of the system's randomness (not one per letter: 5% of a burst's event loop),
+    # 112 bits read as 16 base-62 digits (95 bits): a bias of at most 62**16 / 2**112 (1e-5).
+    number = int.from_bytes(secrets.token_bytes(14))
+    letters = []
+    for _ in range(16):
+        number, digit = divmod(number, len(_SUBMISSION_ID_ALPHABET))
+        letters.append(_SUBMISSION_ID_ALPHABET[digit])
+    return SUBMISSION_ID_PREFIX + "".join(letters)
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,9 @@ class JobManager:
         stop_jobs_on_close_s: float | None = None,
         retention: RetentionPolicy | None = None,
         on_retention_deleted: Callable[[int], None] | None = None,
+        max_running_jobs: int | None = None,
+        max_queued_jobs: int | None = None,
+        tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -124,6 +134,9 @@ class JobManager:
             head_node_id=self._head_node_id,
         )
         self._cluster_resources = ClusterResources()
+        self._queue = JobQueue(
+            max_running=max_running_jobs, max_queued=max_queued_jobs, tenant_limits=tenant_limits
+        )
         self._launcher = Launcher(
             supervisors=self._supervisors,
             log_dir=log_dir,
@@ -138,6 +151,16 @@ class JobManager:
             cluster_resources=self._cluster_resources,
             log_dir=log_dir,
             job_start_timeout_s=job_start_timeout_s,
+            on_watch=self._queue.hold,
+            on_end=lambda record: self._dispatcher.run_ended(record),
+        )
+        self._dispatcher = Dispatcher(
+            queue=self._queue,
+            store=self._store,
+            history=self._history,
+            launcher=self._launcher,
+            watchers=self._watchers,
+            supervisors=self._supervisors,
         )
         self._retention = (
             None
@@ -161,10 +184,16 @@ class JobManager:
             supervisors=self._supervisors,
             launcher=self._launcher,
             watchers=self._watchers,
+            queue=self._queue,
         ).recover()
+        self._dispatcher.start()
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
         if self._retention is not None:
             self._retention.start()
+
+    def limits_changed(self) -> None:
+        """The tenants' caps may have changed (their file re-read): hand over what they allow."""
+        self._dispatcher.fill()
 
     @property
     def archive(self) -> Archive:
@@ -175,6 +204,7 @@ class JobManager:
         mode they are stopped first: the Ray they run on stops with the server)."""
         if self._retention is not None:
             await self._retention.close()
+        await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stop_all_jobs(self._stop_jobs_on_close_s)
         await self._watchers.close()
@@ -187,7 +217,8 @@ class JobManager:
             "The job was stopped because the server shut down (in embedded mode its Ray "
             "instance stops with it)."
         )
-        live = await self._archive.unfinished()
+        # Queued jobs never started: they stay queued, for the next server to run.
+        live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
         grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
 
         async def stop(record: JobRecord) -> None:
@@ -217,12 +248,15 @@ class JobManager:
             await self._watchers.wait(deadline - time.monotonic())
         # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
         for record in await self._archive.unfinished():
+            if record.submission_id in self._queue:
+                continue
             await self._archive.update(
                 record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
             )
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
-        """Record the job (of `tenant`) and hand it to a supervisor; return at once, PENDING."""
+        """Record the job and hand it to a supervisor (or queue it, over a cap); return at
+        once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
         await _validate_runtime_env(spec.runtime_env, self._packages)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
@@ -238,18 +272,31 @@ class JobManager:
             supervisor_name=self._supervisors.name_for(spec, run_id),
             run_id=run_id,
         )
+        # Its slot or its place in the queue, taken now (no await since the check: of two
+        # submits racing for the last place one wins); a 429 here has recorded nothing.
+        admission = self._queue.admit(record)
         # On disk before the answer: an accepted job is never lost. If the server dies before
-        # the KV has it, the next one's recovery runs it.
-        with storage_errors_refused("a submit"):
-            await self._archive.insert(record)
+        # the KV has it, the next one's recovery runs (or queues) it.
         try:
-            await asyncio.to_thread(_set_aside_orphaned_log, self._launcher.log_path(record))
+            with storage_errors_refused("a submit"):
+                await self._archive.insert(record)
+        except BaseException:
+            self._queue.cancel(record, admission)
+            self._dispatcher.fill()
+            raise
+        if admission is Admission.QUEUE:
+            self._queue.enqueue(record)
+            self._dispatcher.fill()
+            return record
+        try:
+            await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
             launch = await self._launcher.launch(record)
         except Exception as error:
             with contextlib.suppress(Exception):
                 await self._store.delete(record)
             await self._archive.delete(record.submission_id, record.run_id)
+            self._dispatcher.run_ended(record)
             if isinstance(error, ValueError | TypeError | ArithmeticError):
                 raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
             raise
@@ -314,16 +361,21 @@ class JobManager:
     ) -> dict[str, dict[JobStatus, int]]:
         """How many jobs of each status by tenant (only `tenant`, if given); no finished
         record is read."""
-        return await count_jobs_by_tenant(self._archive, self._store, tenant)
+        return await count_jobs_by_tenant(self._archive, self._store, tenant, queued=self._queue)
 
     async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
         after the KV): one KV round trip per batch, none for a batch of finished jobs."""
-        live = [record for record in records if not record.status.is_terminal()]
-        if not live:
+        if all(record.status.is_terminal() for record in records):
             return records
+        # Queued jobs are not in the KV yet.
+        live = [
+            record
+            for record in records
+            if not record.status.is_terminal() and record.submission_id not in self._queue
+        ]
         try:
-            current = await self._store.current(live)
+            current = await self._store.current(live) if live else {}
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
             current = {}
@@ -343,6 +395,14 @@ class JobManager:
         record = await self._record(submission_id, tenant)
         if record.status.is_terminal():
             return False
+        if record.status is JobStatus.PENDING:
+            # Queued (or being handed over): the queue stops it before its command starts.
+            stopped = await self._dispatcher.stop_before_start(record)
+            if stopped is not None:
+                return stopped
+            record = await self._record(submission_id)
+            if record.status.is_terminal():
+                return False
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
         if record.status is JobStatus.RUNNING and supervisor is not None:
@@ -514,9 +574,13 @@ class JobManager:
             return True  # deleted while being read: nothing more will be written
 
     async def _with_wait_message(self, record: JobRecord) -> JobRecord:
-        """A pending job that waits for resources says which, and what the cluster has."""
+        """A queued job says its place and the cap it waits behind; a pending job handed over
+        that waits for resources says which, and what the cluster has."""
         if record.status is not JobStatus.PENDING:
             return record
+        queued = self._queue.describe(record.submission_id)
+        if queued is not None:
+            return record.with_changes(message=queued)
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
         return record if waiting_for is None else record.with_changes(message=waiting_for)
 
@@ -530,16 +594,6 @@ def _scoped(query: JobQuery | None, tenant: str | None) -> JobQuery:
     """`query` narrowed to `tenant`'s jobs (None: as it is)."""
     query = query or JobQuery()
     return query if tenant is None else dataclasses.replace(query, tenant=tenant)
-
-
-def _set_aside_orphaned_log(path: Path) -> None:
-    """A log file of an id the archive does not have belongs to no record (the archive was
-    lost, or a delete could not remove it): the new job must not append to it, and its bytes
-    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
-    if path.exists():
-        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
-        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
-        path.rename(orphan)
 
 
 async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:

@@ -34,8 +34,15 @@ class Launcher:
 
     async def launch(self, record: JobRecord) -> Launch:
         """Create (or find) the record's supervisor and ask it to run the job."""
+        return self.start(record, await self.supervisor_for(record))
+
+    async def supervisor_for(self, record: JobRecord) -> Any:
+        """Create (or find) the supervisor the record names."""
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
-        supervisor = await asyncio.to_thread(self._supervisors.create, name, record.spec)
+        return await asyncio.to_thread(self._supervisors.create, name, record.spec)
+
+    def start(self, record: JobRecord, supervisor: Any) -> Launch:
+        """Ask `supervisor` to run the job (no await: a caller can decide and start at once)."""
         return Launch(supervisor, supervisor.run_job.remote(self.supervised_job(record)))
 
     def log_path(self, record: JobRecord) -> Path:

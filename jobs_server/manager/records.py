@@ -11,6 +11,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
+# A queued job's priority: higher first (job_queue.py), within these bounds.
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
+
 
 class JobStatus(StrEnum):
     """Ray's job statuses; Ray's SDK rejects any other value."""
@@ -66,6 +70,7 @@ class JobSpec(BaseModel):
     entrypoint_resources: dict[str, float] = Field(default_factory=dict)
     entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
     timeout_s: float | None = None
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
     def needs_own_supervisor(self) -> bool:
         """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
@@ -112,6 +117,7 @@ class JobRecord(BaseModel):
     """Unique per submission: a deleted and resubmitted id is another run, and nothing of the
     old run (its end, its supervisor) applies to the new one."""
     tenant: str = DEFAULT_TENANT
+    """Whose job it is: the tenant of the key that submitted it."""
 
     @property
     def submission_id(self) -> str:

@@ -1,12 +1,13 @@
-"""What a starting server reconciles: it adopts the jobs a previous server left, starts those it
-accepted but never handed over, and fails those whose supervisor incarnation is gone (a new
-shared supervisor under the same name never ran them: nothing may stay RUNNING without a process
-behind it).
+"""What a starting server reconciles: it adopts the jobs a previous server left, queues again
+those it accepted but never handed over (in submission order: the queue's order survives), and
+fails those whose supervisor incarnation is gone (a new shared supervisor under the same name
+never ran them: nothing may stay RUNNING without a process behind it).
 
 It reads the archive's unfinished rows and the KV's records (both bounded by the live jobs),
 never the whole history. A row the KV does not have is a job accepted but never handed over (it
-runs now) or a job whose cluster went away with its KV (it failed); a KV record the archive does
-not have (the archive was lost, or written by a server before it) is imported.
+is queued again, and runs when the queue hands it a slot) or a job whose cluster went away with
+its KV (it failed); a KV record the archive does not have (the archive was lost, or written by
+a server before it) is imported.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from jobs_server.errors import DuplicateJobError, JobNotFoundError
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_queue import JobQueue
 from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
@@ -40,7 +42,9 @@ class Recovery:
         supervisors: Supervisors,
         launcher: Launcher,
         watchers: JobWatchers,
+        queue: JobQueue,
     ) -> None:
+        self._queue = queue
         self._store = store
         self._archive = archive
         self._history = history
@@ -107,11 +111,11 @@ class Recovery:
         if row.status is JobStatus.PENDING and not await asyncio.to_thread(
             self._launcher.log_path(row).exists
         ):
-            # The server died between archiving the job and handing it over (or the cluster
-            # went away before it began): it was accepted, so it runs.
-            logger.info("job %s was never handed to a supervisor; starting it", row.submission_id)
-            await self._store.create(row)
-            self._watchers.watch(row, await self._launcher.launch(row))
+            # Queued when the server stopped, or it died between archiving the job and handing
+            # it over (or the cluster went away before it began): it was accepted, so it runs
+            # when the queue hands it a slot.
+            logger.info("job %s was never handed to a supervisor; queued", row.submission_id)
+            self._queue.requeue(row)
             return
         ended = row.with_changes(
             status=JobStatus.FAILED,

@@ -32,6 +32,10 @@ _DEDICATED_PREFIX = "jobs_server_supervisor:"
 WARM_ATTEMPTS = 10
 WARM_RETRY_S = 0.5
 _SHARED_PREFIX = "jobs_server_shared_supervisor:"
+# Calls a shared supervisor serves at once. Each job it runs holds two or three for its whole
+# life (its run, its watcher's wait); Ray's default for an async actor (1,000) would leave a
+# stop, or the start of the next job, waiting behind a few hundred running jobs.
+SHARED_MAX_CONCURRENCY = 100_000
 
 
 def _code_fingerprint() -> str:
@@ -163,6 +167,7 @@ class Supervisors:
                     max_restarts=0,
                     num_cpus=0,
                     scheduling_strategy=self._on_head_node,
+                    max_concurrency=SHARED_MAX_CONCURRENCY,
                 )
                 .remote(self._kv_namespace)
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,13 @@ class JobWatchers:
         cluster_resources: ClusterResources,
         log_dir: Path,
         job_start_timeout_s: float,
+        on_watch: Callable[[JobRecord], None] = lambda _: None,
+        on_end: Callable[[JobRecord], None] = lambda _: None,
     ) -> None:
+        # Told of each run watched, and of each whose end is archived (not at close): the
+        # queue's slots.
+        self._on_watch = on_watch
+        self._on_end = on_end
         self._store = store
         self._history = history
         self._supervisors = supervisors
@@ -95,6 +102,7 @@ class JobWatchers:
 
     def watch(self, record: JobRecord, launch: Launch) -> None:
         """Watch the run `record` that `launch` started (or adopted) until it ends."""
+        self._on_watch(record)
         task = asyncio.create_task(self._watch(record, launch))
         self._current[record.submission_id] = task
         self._tasks.add(task)
@@ -133,6 +141,7 @@ class JobWatchers:
                 await self._record_failure(record, failure)
             # The end is in the archive before anyone sees this watcher done.
             await self._history.learn_end(record)
+            self._on_end(record)
         finally:
             # Once the job has ended (not when the server shuts down: its jobs run on).
             if ended:

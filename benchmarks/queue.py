@@ -1,0 +1,418 @@
+"""The queue under a burst (issue 15): 10,000 `true` jobs POSTed with 64 requests in flight to a
+server with `--max-running-jobs 50`, and 1,000 `sleep 300` jobs with no cap.
+
+    .venv/bin/python -m benchmarks.queue [--jobs 10000] [--in-flight 64] [--max-running 50]
+                                         [--sleepers 1000] [--keep-logs]
+
+Starts a Ray head node and jobs-server on it (a fresh state directory per scenario). Burst: POSTs
+every job, while a sampler lists the RUNNING jobs and the server's RSS every 100 ms; waits until
+the archive has no unfinished job left, then checks every job SUCCEEDED. Sleepers: POSTs them,
+times from the last answer until none is PENDING, then measures the server's CPU over 10 s with
+all of them running, and stops them. Prints a markdown table (progress on stderr) and writes it to
+benchmarks/results-queue.md, with the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import importlib.metadata
+import logging
+import os
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import aiohttp
+import psutil
+
+from benchmarks.client import JobsApi, new_session, submit_with_workers
+from benchmarks.processes import jobs_server, kill_survivors, process_tree, ray_head
+from benchmarks.stats import percentile, summed_rss_bytes
+
+logger = logging.getLogger("benchmarks.queue")
+
+RESULTS_PATH = Path(__file__).with_name("results-queue.md")
+DEFAULT_JOBS = 10_000
+DEFAULT_IN_FLIGHT = 64
+DEFAULT_MAX_RUNNING = 50
+DEFAULT_SLEEPERS = 1_000
+WARM_UP_JOBS = 20
+SAMPLE_INTERVAL_S = 0.1
+DONE_POLL_INTERVAL_S = 0.2
+BURST_TIMEOUT_S = 900.0
+SLEEPERS_RUNNING_TIMEOUT_S = 300.0
+IDLE_CPU_WINDOW_S = 10.0
+# How long the sleepers get to end once stopped (the cluster's end stops the rest).
+STOP_TIMEOUT_S = 60.0
+MIB = 2**20
+# The issue's figures for main (no cap): the same burst.
+MAIN_POST_P50_S = 0.172
+MAIN_POST_P99_S = 0.984
+MAIN_MAX_RUNNING = 392
+MAIN_RSS_GROWTH = 356 * MIB
+
+METHOD_NOTES = [
+    "Burst: one `aiohttp` client, `--in-flight` workers each POSTing the next `true` job as soon "
+    "as its previous answer arrived. Latency: from sending a POST to its answer.",
+    f"Running, sampled: every {SAMPLE_INTERVAL_S * 1000:.0f} ms, `GET /api/jobs/?status=RUNNING`"
+    " (the jobs the archive has seen start, with what the KV says now), counting those still "
+    "RUNNING; the maximum over the run. A job that runs for less than the sampling interval is "
+    "seen only sometimes, so this is a lower bound of what ran at once; the server's own count "
+    "(its queue's slots) is what the cap holds.",
+    "Commands alive, sampled at the same moments: the launcher processes of contained jobs "
+    "(each job's command runs under one, from its start to its end; its init, a fork with the "
+    "same command line, is not counted), an independent count of what ran at once.",
+    "RSS: the server process and its children, sampled with the running jobs; growth: the "
+    f"highest sample minus the RSS after {WARM_UP_JOBS} warm-up jobs.",
+    "Completed per second: jobs / (the moment the archive is first seen with no unfinished job "
+    f"(`?status=PENDING,RUNNING&limit=1`, polled every {DONE_POLL_INTERVAL_S * 1000:.0f} ms) "
+    "minus the first POST). Then the whole list is read to check that every job SUCCEEDED.",
+    "Sleepers: a fresh server without a cap; all RUNNING: from the last POST's answer until "
+    "`?status=PENDING` lists none still PENDING. Idle CPU: the server process's CPU time (user +"
+    f" system) over {IDLE_CPU_WINDOW_S:.0f} s of wall time with all of them running and no "
+    "request, as a share of one core.",
+]
+
+
+# In the command line of the launcher that starts a contained job (containment.py): with the
+# init it forks (the same command line), one pair per job whose command runs.
+LAUNCHER_MARK = "CLONE_NEWPID"
+
+
+def commands_running() -> int:
+    """Jobs whose command runs now, counted by their launcher processes (contained jobs)."""
+    marked: dict[int, int] = {}
+    for process in psutil.process_iter(["pid", "ppid", "cmdline"]):
+        with contextlib.suppress(psutil.Error, TypeError):
+            if any(LAUNCHER_MARK in part for part in process.info["cmdline"] or []):
+                marked[process.info["pid"]] = process.info["ppid"]
+    return sum(1 for parent in marked.values() if parent not in marked)
+
+
+@dataclass
+class Sampler:
+    """The most RUNNING jobs and the highest RSS seen while it runs."""
+
+    api: JobsApi
+    processes: list[psutil.Process]
+    max_running: int = 0
+    max_commands: int = 0
+    peak_rss: int = 0
+    samples: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                async with self.api.session.get(
+                    self.api.url("/api/jobs/?status=RUNNING")
+                ) as response:
+                    jobs = await response.json()
+                running = sum(1 for job in jobs if job["status"] == "RUNNING")
+                self.max_running = max(self.max_running, running)
+            except (aiohttp.ClientError, TimeoutError, ValueError) as error:
+                self.errors.append(f"{type(error).__name__}: {error}")
+            self.peak_rss = max(self.peak_rss, summed_rss_bytes(self.processes))
+            self.max_commands = max(self.max_commands, await asyncio.to_thread(commands_running))
+            self.samples += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
+
+
+async def unfinished_left(api: JobsApi) -> bool:
+    async with api.session.get(api.url("/api/jobs/?status=PENDING,RUNNING&limit=1")) as response:
+        return bool(await response.json())
+
+
+async def wait_until_all_ended(api: JobsApi, deadline_s: float) -> None:
+    """Poll until the archive lists no unfinished job, or `deadline_s` (monotonic) passes."""
+    for _ in range(int(max(0.0, deadline_s - time.monotonic()) / DONE_POLL_INTERVAL_S) + 1):
+        if not await unfinished_left(api) or time.monotonic() > deadline_s:
+            return
+        await asyncio.sleep(DONE_POLL_INTERVAL_S)
+
+
+async def burst(url: str, pid: int, args: argparse.Namespace) -> dict[str, float | str]:
+    """The capped burst's figures."""
+    processes = process_tree(psutil.Process(pid))
+    prefix = f"q{uuid.uuid4().hex[:6]}"
+    async with new_session(max_connections=args.in_flight + 8) as session:
+        api = JobsApi(session, url)
+        warm = [f"{prefix}-warm-{n}" for n in range(WARM_UP_JOBS)]
+        await submit_with_workers(api, "true", warm, 8, time.monotonic() + 120)
+        await wait_until_all_ended(api, time.monotonic() + 120)
+        rss_before = summed_rss_bytes(processes)
+        sampler = Sampler(api, processes, peak_rss=rss_before)
+        stop = asyncio.Event()
+        sampling = asyncio.create_task(sampler.run(stop))
+        ids = [f"{prefix}-{n:05d}" for n in range(args.jobs)]
+        started_s = time.monotonic()
+        accepted, errors = await submit_with_workers(
+            api, "true", ids, args.in_flight, started_s + BURST_TIMEOUT_S
+        )
+        posted_s = time.monotonic()
+        logger.info(
+            "%d POSTs answered in %.1f s (%d errors)",
+            len(accepted),
+            posted_s - started_s,
+            len(errors),
+        )
+        await wait_until_all_ended(api, started_s + BURST_TIMEOUT_S)
+        done_s = time.monotonic()
+        stop.set()
+        await sampling
+        statuses = await api.list_statuses()
+    latencies = [job.latency_s for job in accepted]
+    ours = [statuses.get(job_id) for job_id in ids]
+    succeeded = sum(1 for status in ours if status == "SUCCEEDED")
+    figures: dict[str, float | str] = {
+        "post_p50": percentile(latencies, 50) if latencies else float("nan"),
+        "post_p99": percentile(latencies, 99) if latencies else float("nan"),
+        "max_running": sampler.max_running,
+        "max_commands": sampler.max_commands,
+        "completed_per_s": succeeded / (done_s - started_s),
+        "rss_growth": sampler.peak_rss - rss_before,
+        "succeeded": succeeded,
+        "post_errors": len(errors),
+        "accepted_per_s": len(accepted) / (posted_s - started_s),
+        "samples": sampler.samples,
+    }
+    if errors:
+        figures["first_error"] = errors[0]
+    if sampler.errors:
+        figures["sample_errors"] = f"{len(sampler.errors)}, e.g. {sampler.errors[0]}"
+    return figures
+
+
+async def sleepers(url: str, pid: int, args: argparse.Namespace) -> dict[str, float | str]:
+    """1,000 `sleep 300` jobs, no cap: time until all RUNNING, the server's idle CPU."""
+    prefix = f"s{uuid.uuid4().hex[:6]}"
+    ids = [f"{prefix}-{n:04d}" for n in range(args.sleepers)]
+    figures: dict[str, float | str] = {}
+    async with new_session(max_connections=args.in_flight + 8) as session:
+        api = JobsApi(session, url)
+        started_s = time.monotonic()
+        accepted, errors = await submit_with_workers(
+            api, "sleep 300", ids, args.in_flight, started_s + SLEEPERS_RUNNING_TIMEOUT_S
+        )
+        last_answer_s = time.monotonic()
+        figures["sleepers_accepted"] = len(accepted)
+        if errors:
+            figures["sleeper_errors"] = f"{len(errors)}, e.g. {errors[0]}"
+        pending = len(ids)
+        for _ in range(int(SLEEPERS_RUNNING_TIMEOUT_S / DONE_POLL_INTERVAL_S)):
+            async with session.get(api.url("/api/jobs/?status=PENDING")) as response:
+                jobs = await response.json()
+            pending = sum(1 for job in jobs if job["status"] == "PENDING")
+            if pending == 0:
+                break
+            await asyncio.sleep(DONE_POLL_INTERVAL_S)
+        figures["all_running_s"] = time.monotonic() - last_answer_s if pending == 0 else "timeout"
+        async with session.get(api.url("/api/jobs/?status=RUNNING")) as response:
+            figures["sleepers_running"] = len(await response.json())
+        server = psutil.Process(pid)
+        before = server.cpu_times()
+        await asyncio.sleep(IDLE_CPU_WINDOW_S)  # the measurement window: no request meanwhile
+        after = server.cpu_times()
+        used_s = (after.user - before.user) + (after.system - before.system)
+        figures["idle_cpu"] = used_s / IDLE_CPU_WINDOW_S
+        figures["rss_with_sleepers"] = summed_rss_bytes(process_tree(server))
+        logger.info("sleepers: %s; stopping them", figures)
+        stop_errors = 0
+        semaphore = asyncio.Semaphore(args.in_flight)
+
+        async def stop(job_id: str) -> None:
+            nonlocal stop_errors
+            async with semaphore:
+                try:
+                    await api.stop(job_id)
+                except Exception:
+                    stop_errors += 1
+
+        await asyncio.gather(*(stop(job.submission_id) for job in accepted))
+        await wait_until_all_ended(api, time.monotonic() + STOP_TIMEOUT_S)
+        if stop_errors:
+            figures["stop_errors"] = stop_errors
+    return figures
+
+
+def fmt_s(value: float | str) -> str:
+    if isinstance(value, str):
+        return value
+    return f"{value * 1000:.1f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def verdict(met: bool, *figures: float | str) -> str:
+    if any(isinstance(f, str) or f != f for f in figures):  # a string, or NaN: no figure
+        return "not measured"
+    return "**met**" if met else "**not met**"
+
+
+def render(
+    capped: dict[str, float | str],
+    uncapped: dict[str, float | str],
+    args: argparse.Namespace,
+    started: datetime.datetime,
+    load: tuple[tuple[float, float, float], tuple[float, float, float]],
+) -> str:
+    def num(figures: dict[str, float | str], key: str) -> float:
+        value = figures.get(key)
+        return float(value) if isinstance(value, int | float) else float("nan")
+
+    jobs, cap = f"{args.jobs:,}", args.max_running
+    p50, p99 = num(capped, "post_p50"), num(capped, "post_p99")
+    running, rate = num(capped, "max_running"), num(capped, "completed_per_s")
+    commands = num(capped, "max_commands")
+    growth, all_running = num(capped, "rss_growth"), uncapped.get("all_running_s", "not run")
+    idle = num(uncapped, "idle_cpu")
+    rows = [
+        (
+            f"every job completes ({jobs} `true`, {args.in_flight} in flight, cap {cap})",
+            "—",
+            f"{int(num(capped, 'succeeded')):,} SUCCEEDED",
+            "all",
+            verdict(num(capped, "succeeded") == args.jobs, num(capped, "succeeded")),
+        ),
+        ("POST /api/jobs/ p50", fmt_s(MAIN_POST_P50_S), fmt_s(p50), "—", "for information"),
+        (
+            "POST /api/jobs/ p99",
+            fmt_s(MAIN_POST_P99_S),
+            fmt_s(p99),
+            "≤ 100 ms",
+            verdict(p99 <= 0.1, p99),
+        ),
+        (
+            "most jobs seen RUNNING at once (sampled through the API)",
+            str(MAIN_MAX_RUNNING),
+            f"{running:.0f}",
+            f"≤ {cap}",
+            verdict(running <= cap, running),
+        ),
+        (
+            "most job commands alive at once (sampled: launcher processes)",
+            "—",
+            f"{commands:.0f}",
+            f"≤ {cap}",
+            verdict(commands <= cap, commands),
+        ),
+        ("jobs completed per second", "—", f"{rate:.0f}/s", "≥ 150/s", verdict(rate >= 150, rate)),
+        (
+            "server RSS growth",
+            f"+{MAIN_RSS_GROWTH / MIB:.0f} MiB",
+            f"+{growth / MIB:.1f} MiB",
+            "≤ 100 MiB",
+            verdict(growth <= 100 * MIB, growth),
+        ),
+        (
+            f"{args.sleepers:,} `sleep 300`, no cap: last POST → all RUNNING",
+            "—",
+            fmt_s(all_running),
+            "≤ 5 s",
+            verdict(isinstance(all_running, float) and all_running <= 5, all_running),
+        ),
+        (
+            f"server CPU, idle with {args.sleepers:,} running",
+            "—",
+            f"{idle * 100:.1f} %",
+            "≤ 5 %",
+            verdict(idle <= 0.05, idle),
+        ),
+    ]
+    lines = [
+        "# The queue under a burst (issue 15)",
+        "",
+        f"- date: {started.isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores; load average (1, 5, 15 min) before: "
+        f"{', '.join(f'{x:.2f}' for x in load[0])}; after: "
+        f"{', '.join(f'{x:.2f}' for x in load[1])}",
+        f"- command: `{shlex.join(sys.orig_argv)}` (from the repository root)",
+        f"- Ray {importlib.metadata.version('ray')}",
+        "",
+        "| scenario | main, no cap (issue 15) | this server | target | |",
+        "|---|---:|---:|---|---|",
+        *[f"| {' | '.join(row)} |" for row in rows],
+        "",
+        "## Other figures of this run",
+        "",
+        *[f"- burst `{key}`: {value}" for key, value in capped.items()],
+        *[f"- sleepers `{key}`: {value}" for key, value in uncapped.items()],
+        "",
+        "## How it measures",
+        "",
+        *[f"- {text}" for text in METHOD_NOTES],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.queue", description="The queue under a burst (issue 15)."
+    )
+    parser.add_argument("--jobs", type=int, default=DEFAULT_JOBS, metavar="N")
+    parser.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT, metavar="N")
+    parser.add_argument("--max-running", type=int, default=DEFAULT_MAX_RUNNING, metavar="N")
+    parser.add_argument("--sleepers", type=int, default=DEFAULT_SLEEPERS, metavar="N")
+    parser.add_argument("--only", choices=["burst", "sleepers"], default=None)
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the temp dir with Ray's and our logs"
+    )
+    return parser.parse_args(argv)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
+    signal.signal(signal.SIGTERM, _interrupt)
+    started = datetime.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    work_dir = Path(tempfile.mkdtemp(prefix="jobs-queue-", dir="/tmp"))
+    capped: dict[str, float | str] = {}
+    uncapped: dict[str, float | str] = {}
+    try:
+        with ray_head(work_dir) as head:
+            if args.only in (None, "burst"):
+                burst_dir = work_dir / "burst"
+                burst_dir.mkdir()
+                flags = ["--max-running-jobs", str(args.max_running)]
+                flags += ["--max-queued-jobs", str(args.jobs)]
+                with jobs_server(head.gcs_address, burst_dir, flags) as ours:
+                    capped = asyncio.run(burst(ours.url, ours.pid, args))
+                logger.info("burst: %s", capped)
+            if args.only in (None, "sleepers"):
+                sleepers_dir = work_dir / "sleepers"
+                sleepers_dir.mkdir()
+                with jobs_server(head.gcs_address, sleepers_dir) as ours:
+                    uncapped = asyncio.run(sleepers(ours.url, ours.pid, args))
+                logger.info("sleepers: %s", uncapped)
+    finally:
+        for pid, cmdline in kill_survivors(str(work_dir)):
+            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
+        if args.keep_logs:
+            logger.info("logs kept in %s", work_dir)
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    report = render(capped, uncapped, args, started, (load_before, os.getloadavg()))
+    RESULTS_PATH.write_text(report)
+    sys.stdout.write(report)
+    logger.info("written to %s", RESULTS_PATH)
+
+
+if __name__ == "__main__":
+    main()

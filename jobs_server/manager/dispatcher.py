@@ -1,0 +1,194 @@
+"""Hands queued jobs to their supervisors as slots free, and stops jobs that have not started.
+
+A queued job is an archive row that was never handed over: no KV record, no supervisor. When a
+slot frees (a watcher saw its job's end) or a job is queued, `fill` takes the next jobs in the
+queue's order (job_queue.py), each holding its slot from that moment, and hands each over in a
+task of its own: its KV record, its supervisor, its watcher.
+
+A stop of a queued job takes it out of the queue and archives it STOPPED: its command never
+runs. A stop that meets the job while it is being handed over calls the hand-over off before the
+supervisor is asked to run it (or, if that was already asked, lets the usual stop do its work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from enum import Enum
+from pathlib import Path
+
+import ray
+
+from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.watcher import JobWatchers
+
+logger = logging.getLogger(__name__)
+
+PENDING_MESSAGE = "Job is pending."
+
+
+class HandOver(Enum):
+    """How a hand-over ended."""
+
+    STARTED = "started"
+    CALLED_OFF = "called off"
+    FAILED = "failed"
+
+
+class Dispatcher:
+    """Moves jobs from the queue to their supervisors; owns the hand-over tasks."""
+
+    def __init__(
+        self,
+        *,
+        queue: JobQueue,
+        store: JobStore,
+        history: JobHistory,
+        launcher: Launcher,
+        watchers: JobWatchers,
+        supervisors: Supervisors,
+    ) -> None:
+        self._queue = queue
+        self._supervisors = supervisors
+        self._store = store
+        self._history = history
+        self._launcher = launcher
+        self._watchers = watchers
+        self._handing_over: dict[str, asyncio.Task[HandOver]] = {}
+        self._called_off: set[str] = set()
+        self._started = False
+        self._closed = False
+
+    def start(self) -> None:
+        """Begin dispatching (after recovery has adopted the running jobs and re-queued the
+        others: until then a free slot may not be free)."""
+        self._started = True
+        self.fill()
+
+    async def close(self) -> None:
+        """Stop dispatching; a hand-over cut short is finished by the next server's recovery
+        (a KV record without a supervisor is started; a row without one is queued again)."""
+        self._closed = True
+        tasks = list(self._handing_over.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def run_ended(self, record: JobRecord) -> None:
+        """A watched run has ended (its end archived): its slot goes to the next in line."""
+        if self._queue.free(record):
+            self.fill()
+
+    def fill(self) -> None:
+        """Hand over queued jobs while there are free slots (no await: the slots are taken
+        here, at once)."""
+        if not self._started or self._closed:
+            return
+        while (record := self._queue.next_to_dispatch()) is not None:
+            task = asyncio.create_task(self._hand_over(record), name=f"dispatch-{record.run_id}")
+            self._handing_over[record.submission_id] = task
+            task.add_done_callback(functools.partial(self._done, record.submission_id))
+
+    def _done(self, submission_id: str, _: asyncio.Task[HandOver]) -> None:
+        self._handing_over.pop(submission_id, None)
+        self._called_off.discard(submission_id)
+
+    async def _hand_over(self, queued: JobRecord) -> HandOver:
+        """Create the run's KV record and supervisor and start it, unless a stop called it off
+        first (it is then archived STOPPED); a called-off or failed run frees its slot."""
+        # A shared supervisor of this server's version (the row may be an earlier server's).
+        name = queued.supervisor_name or ""
+        if not is_dedicated(name):
+            name = self._supervisors.name_for(queued.spec, queued.run_id)
+        record = queued.with_changes(message=PENDING_MESSAGE, supervisor_name=name)
+        try:
+            await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
+            await self._store.create(record)
+            supervisor = await self._launcher.supervisor_for(record)
+            if record.submission_id in self._called_off:
+                await self._end_called_off(record, supervisor)
+                return HandOver.CALLED_OFF
+            launch = self._launcher.start(record, supervisor)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            await self._fail(record, error)
+            return HandOver.FAILED
+        # The start timeout (--job-start-timeout-s) counts from the hand-over, not from the
+        # submit: the time it waited in the queue is not time it waited to start.
+        self._watchers.watch(record.with_changes(start_time=now_ms()), launch)
+        return HandOver.STARTED
+
+    async def _end_called_off(self, record: JobRecord, supervisor: object) -> None:
+        try:
+            ended = await self._store.update(
+                record.submission_id,
+                record.run_id,
+                status=JobStatus.STOPPED,
+                message=NEVER_STARTED_MESSAGE,
+            )
+            await self._history.archive_end(ended)
+            await self._history.forget(ended)
+            if is_dedicated(record.supervisor_name or ""):
+                await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
+        finally:
+            self.run_ended(record)
+
+    async def _fail(self, record: JobRecord, error: Exception) -> None:
+        """The hand-over failed (Ray refused the supervisor): the job fails, its slot frees."""
+        logger.warning("handing job %s over failed: %s", record.submission_id, error)
+        failed = record.with_changes(
+            status=JobStatus.FAILED,
+            end_time=now_ms(),
+            error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
+            message=f"The job's supervisor could not be started: {error}",
+        )
+        try:
+            with contextlib.suppress(Exception):
+                await self._store.delete(record)
+            await self._history.archive_end(failed)
+        finally:
+            self.run_ended(record)
+
+    async def stop_before_start(self, record: JobRecord) -> bool | None:
+        """Stop the run `record` if it has not been handed to a supervisor: True once it is
+        archived STOPPED (its command never runs), False if its hand-over failed (it ended
+        FAILED); None if it was handed over (or never queued): the usual stop applies, to the
+        record as it is now."""
+        withdrawn = self._queue.withdraw(record.submission_id, record.run_id)
+        if withdrawn is not None:
+            stopped = withdrawn.with_changes(
+                status=JobStatus.STOPPED, end_time=now_ms(), message=NEVER_STARTED_MESSAGE
+            )
+            try:
+                await self._history.archive_end(stopped)
+            except BaseException:
+                self._queue.requeue(withdrawn)  # still queued, as its row says
+                raise
+            return True
+        task = self._handing_over.get(record.submission_id)
+        if task is None:
+            return None
+        self._called_off.add(record.submission_id)
+        outcome = await asyncio.shield(task)
+        if outcome is HandOver.STARTED:
+            return None
+        return outcome is HandOver.CALLED_OFF
+
+
+def set_aside_orphaned_log(path: Path) -> None:
+    """A log file of an id the archive does not have belongs to no record (the archive was
+    lost, or a delete could not remove it): the new job must not append to it, and its bytes
+    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
+    if path.exists():
+        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
+        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
+        path.rename(orphan)

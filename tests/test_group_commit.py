@@ -1,0 +1,75 @@
+"""Group commit (jobs_server/manager/group_commit.py) through the archive, on a real file: writes
+made at once share transactions, each answered once committed; a failing write fails alone; rows
+and events keep the order of the calls; what was answered is on disk for the next reader."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from jobs_server.errors import DuplicateJobError
+from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.events import JobEvent
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+
+
+def record(submission_id: str) -> JobRecord:
+    return JobRecord(
+        spec=JobSpec(entrypoint="true", submission_id=submission_id), run_id=new_run_id()
+    )
+
+
+@pytest.fixture
+async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
+    published: list[JobEvent] = []
+    archive = Archive(archive_path(tmp_path / "state"), on_events=published.extend)
+    archive.published = published  # type: ignore[attr-defined]
+    await archive.open()
+    yield archive
+    await archive.close()
+
+
+async def test_writes_at_once_commit_together_in_call_order_and_a_duplicate_fails_alone(
+    archive: Archive, tmp_path: Path
+) -> None:
+    await archive.insert(record("taken"))
+    names = [f"job-{n:03d}" for n in range(100)]
+    names.insert(50, "taken")
+    outcomes = await asyncio.gather(
+        *(archive.insert(record(name)) for name in names), return_exceptions=True
+    )
+    assert [type(outcome) for outcome in outcomes].count(DuplicateJobError) == 1
+    assert isinstance(outcomes[50], DuplicateJobError)
+    # Every answered write is on disk: another connection reads them, in the order called.
+    with sqlite3.connect(archive_path(tmp_path / "state")) as other:
+        rows = [row[0] for row in other.execute("SELECT submission_id FROM jobs ORDER BY seq")]
+    assert rows == ["taken", *(name for name in names if name != "taken")]
+    published = archive.published  # type: ignore[attr-defined]
+    assert [event.submission_id for event in published] == rows
+    assert [event.id for event in published] == sorted(event.id for event in published)
+
+
+async def test_updates_and_deletes_share_batches_with_inserts(archive: Archive) -> None:
+    first = record("first")
+    await archive.insert(first)
+    running = first.with_changes(status=JobStatus.RUNNING)
+    ended = first.with_changes(status=JobStatus.SUCCEEDED, end_time=2)
+    second = record("second")
+    stored_running, inserted, stored_ended, deleted_unknown = await asyncio.gather(
+        archive.update(running),
+        archive.insert(second),
+        archive.update(ended),
+        archive.delete("unknown"),
+    )
+    assert stored_running == running
+    assert inserted is None
+    assert stored_ended == ended
+    assert deleted_unknown is False
+    assert (await archive.get("first")) == ended
+    assert (await archive.get("second")) == second
+    # The first terminal status wins, batched or not.
+    assert await archive.update(first.with_changes(status=JobStatus.FAILED)) == ended

@@ -1,0 +1,310 @@
+"""The queue on a real server and real Ray (issue 15, items 3-5): caps on running and queued jobs,
+the place a queued job is told, 429 with Retry-After when the queue is full, the order (tenants
+taking turns, priority then arrival within a tenant), stopping a queued job (and the race of a
+stop against its dispatch), and submits racing for the last place. Tenants are exercised through
+the manager (`submit_job(..., tenant=...)`, `tenant_limits`), as keys are not part of this
+branch. The queue across a killed server: tests/test_queue_restarts.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient
+
+from jobs_server.errors import JobNotFoundError, QueueFullError
+from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
+from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.event_feed import EventFeed
+from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
+from jobs_server.settings import Settings
+from tests.conftest import kill_actors_in_namespace, submit, wait_for_status
+from tests.openapi_contract import Contract
+from tests.test_openapi_contract import Exchange
+
+Client = TestClient[Any, Any]
+WAIT_S = 90.0
+
+
+@pytest.fixture
+def settings(settings: Settings) -> Settings:
+    return settings.model_copy(update={"max_running_jobs": 1, "max_queued_jobs": 2})
+
+
+def gate(path: Path) -> str:
+    """A command that runs until `path` exists (the test opens the gate)."""
+    return f"while [ ! -e {path} ]; do sleep 0.05; done"
+
+
+async def test_over_the_cap_a_job_waits_with_its_place_and_a_full_queue_is_429(
+    client: Client, tmp_path: Path
+) -> None:
+    api = Exchange(client, Contract.load())
+    running = await submit(client, entrypoint=gate(tmp_path / "go"))
+    await wait_for_status(client, running, {"RUNNING"})
+    first = await submit(client, entrypoint=f"echo first > {tmp_path / 'first'}")
+    second = await submit(client, entrypoint=f"echo second > {tmp_path / 'second'}")
+    job = await api.call("GET", f"/api/jobs/{first}", expect=200)
+    assert (job["status"], job["message"]) == ("PENDING", "Queued: 1st of 2; 1 of 1 running")
+    job = await api.call("GET", f"/api/jobs/{second}", expect=200)
+    assert job["message"] == "Queued: 2nd of 2; 1 of 1 running"
+    listed = {job["submission_id"]: job for job in await (await client.get("/api/jobs/")).json()}
+    assert listed[second]["message"] == "Queued: 2nd of 2; 1 of 1 running"
+
+    refused = await api.call(
+        "POST", "/api/jobs/", json={"entrypoint": "true", "submission_id": "over"}, expect=429
+    )
+    assert refused["error"]["code"] == "queue_full"
+    assert "at most 2" in refused["error"]["message"]
+    response = await client.post("/api/jobs/", json={"entrypoint": "true"})
+    assert response.status == 429
+    assert 1 <= int(response.headers["Retry-After"]) <= 60
+    # Nothing of a refused submit is recorded.
+    assert (await client.get("/api/jobs/over")).status == 404
+    assert len(await (await client.get("/api/jobs/")).json()) == 3
+
+    # Stopping a queued job is immediate; its command never runs, and it can be deleted.
+    stopped = await api.call("POST", f"/api/jobs/{first}/stop", expect=200)
+    assert stopped == {"stopped": True}
+    job = await api.call("GET", f"/api/jobs/{first}", expect=200)
+    assert (job["status"], job["message"]) == ("STOPPED", NEVER_STARTED_MESSAGE)
+    assert (await api.call("GET", f"/api/jobs/{second}", expect=200))["message"].startswith(
+        "Queued: 1st of 1;"
+    )
+    await api.call("DELETE", f"/api/jobs/{first}", expect=200)
+
+    # The slot frees when the running job ends: the queued one runs.
+    (tmp_path / "go").touch()
+    assert (await wait_for_status(client, running, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+    assert (await wait_for_status(client, second, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+    assert (tmp_path / "second").read_text() == "second\n"
+    assert not (tmp_path / "first").exists()
+
+
+async def test_the_message_says_whether_a_job_waits_for_a_slot_or_for_resources(
+    client: Client, tmp_path: Path
+) -> None:
+    holder = await submit(client, entrypoint="true", entrypoint_resources={"unobtainium": 1})
+    waiting = await wait_for_status(client, holder, {"PENDING"}, message_part="Waiting for")
+    assert waiting["message"].startswith("Waiting for resources no node has: ")
+    queued = await submit(client, entrypoint=f"echo ran > {tmp_path / 'ran'}")
+    job = await (await client.get(f"/api/jobs/{queued}")).json()
+    assert (job["status"], job["message"]) == ("PENDING", "Queued: 1st of 1; 1 of 1 running")
+    # The handed-over job held the slot while it waited for Ray; stopped, it frees it.
+    assert (await (await client.post(f"/api/jobs/{holder}/stop")).json())["stopped"] is True
+    assert (await wait_for_status(client, queued, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+    assert (tmp_path / "ran").read_text() == "ran\n"
+
+
+async def test_a_priority_goes_first_and_ray_clients_need_not_send_one(
+    client: Client, tmp_path: Path
+) -> None:
+    order = tmp_path / "order"
+    blocker = await submit(client, entrypoint=gate(tmp_path / "go"))
+    await wait_for_status(client, blocker, {"RUNNING"})
+    low = await submit(client, entrypoint=f"echo low >> {order}")
+    high = await submit(client, entrypoint=f"echo high >> {order}", priority=5)
+    assert (await (await client.get(f"/api/jobs/{high}")).json())["message"].startswith(
+        "Queued: 1st of 2;"
+    )
+    assert (await (await client.get(f"/api/jobs/{high}")).json())["priority"] == 5
+    (tmp_path / "go").touch()
+    for job_id in (high, low):
+        assert (await wait_for_status(client, job_id, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+    assert order.read_text() == "high\nlow\n"
+
+
+@asynccontextmanager
+async def queue_manager(
+    gcs_address: str,
+    state_dir: Path,
+    *,
+    max_running: int | None = None,
+    max_queued: int | None = None,
+    tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
+) -> AsyncIterator[JobManager]:
+    """A manager on the session's Ray, in a namespace of its own, with the caps given."""
+    namespace = f"test_queue_{uuid.uuid4().hex[:8]}"
+    archive = Archive(archive_path(state_dir), on_events=lambda events: event_feed.publish(events))
+    event_feed = EventFeed(archive)
+    await archive.open()
+    manager = JobManager(
+        gcs_address=gcs_address,
+        namespace=namespace,
+        archive=archive,
+        event_feed=event_feed,
+        log_dir=state_dir / "logs",
+        stop_grace_s=0.5,
+        job_start_timeout_s=60,
+        max_running_jobs=max_running,
+        max_queued_jobs=max_queued,
+        tenant_limits=tenant_limits,
+    )
+    await manager.start()
+    try:
+        yield manager
+    finally:
+        await manager.close()
+        await archive.close()
+        kill_actors_in_namespace(namespace)
+
+
+def spec(submission_id: str, entrypoint: str = "true", priority: int = 0) -> JobSpec:
+    return JobSpec(entrypoint=entrypoint, submission_id=submission_id, priority=priority)
+
+
+async def until_status(
+    manager: JobManager, submission_id: str, statuses: set[JobStatus]
+) -> JobRecord:
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        record = await manager.get_job(submission_id)
+        if record.status in statuses:
+            return record
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"job {submission_id} is still {record.status}: {record.message}")
+
+
+TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+
+
+async def test_tenants_take_turns_and_priority_orders_each_tenants_jobs(
+    ray_connection: str, tmp_path: Path
+) -> None:
+    order = tmp_path / "order"
+    async with queue_manager(ray_connection, tmp_path / "state", max_running=1) as manager:
+        await manager.submit_job(spec("blocker", gate(tmp_path / "go")), tenant="c")
+        await until_status(manager, "blocker", {JobStatus.RUNNING})
+        for name in ("a0", "a1", "a2", "a3"):
+            await manager.submit_job(spec(name, f"echo {name} >> {order}"), tenant="a")
+        await manager.submit_job(spec("b0", f"echo b0 >> {order}"), tenant="b")
+        await manager.submit_job(spec("b1", f"echo b1 >> {order}", priority=5), tenant="b")
+        expected = ["a0", "b1", "a1", "b0", "a2", "a3"]
+        for place, name in enumerate(expected, start=1):
+            message = (await manager.get_job(name)).message or ""
+            assert message.startswith(f"Queued: {place}"), (name, message)
+        (tmp_path / "go").touch()
+        for name in expected:
+            assert (await until_status(manager, name, TERMINAL)).status is JobStatus.SUCCEEDED
+        assert order.read_text().split() == expected
+
+
+async def test_a_tenant_at_its_caps_waits_or_is_refused_while_others_run(
+    ray_connection: str, tmp_path: Path
+) -> None:
+    def limits(tenant: str) -> TenantLimits:
+        return TenantLimits(max_running=1, max_queued=1) if tenant == "a" else NO_LIMITS
+
+    async with queue_manager(
+        ray_connection, tmp_path / "state", max_queued=100, tenant_limits=limits
+    ) as manager:
+        await manager.submit_job(spec("a-running", gate(tmp_path / "go")), tenant="a")
+        await until_status(manager, "a-running", {JobStatus.RUNNING})
+        await manager.submit_job(spec("a-queued"), tenant="a")
+        record = await manager.get_job("a-queued")
+        assert record.status is JobStatus.PENDING
+        assert record.message == "Queued: 1st of 1; 1 running; tenant a: 1 of 1 running"
+        # Queued: an archive row only, nothing in the KV (no supervisor knows of it).
+        with pytest.raises(JobNotFoundError):
+            await manager._store.get("a-queued")
+        with pytest.raises(QueueFullError) as refused:
+            await manager.submit_job(spec("a-refused"), tenant="a")
+        assert "tenant 'a'" in refused.value.message
+        # Another tenant is not held up by a's caps.
+        await manager.submit_job(spec("b-now"), tenant="b")
+        assert (await until_status(manager, "b-now", TERMINAL)).status is JobStatus.SUCCEEDED
+        assert (await manager.get_job("a-queued")).status is JobStatus.PENDING
+        (tmp_path / "go").touch()
+        assert (await until_status(manager, "a-queued", TERMINAL)).status is JobStatus.SUCCEEDED
+        assert [r.submission_id for r in (await manager.list_jobs()).records] == [
+            "a-running",
+            "a-queued",
+            "b-now",
+        ]
+
+
+async def test_submits_racing_for_the_last_places_win_exactly_as_many(
+    ray_connection: str, tmp_path: Path
+) -> None:
+    async with queue_manager(
+        ray_connection, tmp_path / "state", max_running=1, max_queued=5
+    ) as manager:
+        await manager.submit_job(spec("blocker", gate(tmp_path / "go")))
+        outcomes = await asyncio.gather(
+            *(manager.submit_job(spec(f"racer-{n}")) for n in range(20)), return_exceptions=True
+        )
+        accepted = [o for o in outcomes if isinstance(o, JobRecord)]
+        refused = [o for o in outcomes if isinstance(o, QueueFullError)]
+        assert (len(accepted), len(refused)) == (5, 15), outcomes
+        listed = {r.submission_id for r in (await manager.list_jobs()).records}
+        assert listed == {"blocker"} | {r.submission_id for r in accepted}
+        (tmp_path / "go").touch()
+        for record in accepted:
+            final = await until_status(manager, record.submission_id, TERMINAL)
+            assert final.status is JobStatus.SUCCEEDED
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    """Poll `predicate` on every turn of the event loop (a state that lasts a few turns)."""
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("moment", ["queued", "handing_over", "handed_over"])
+async def test_a_stop_racing_the_dispatch_stops_the_job_and_frees_its_slot(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, moment: str
+) -> None:
+    marker = tmp_path / "ran"
+    state_dir = tmp_path / "state"
+    async with queue_manager(ray_connection, state_dir, max_running=1) as manager:
+        queue, dispatcher, launcher = manager._queue, manager._dispatcher, manager._launcher
+        await manager.submit_job(spec("blocker", gate(tmp_path / "go")))
+        await until_status(manager, "blocker", {JobStatus.RUNNING})
+        await manager.submit_job(spec("queued", f"echo ran > {marker}"))
+        # The hand-over waits, before its supervisor is asked to run the job, until released.
+        released = asyncio.Event()
+        supervisor_for = launcher.supervisor_for
+
+        async def held(record: JobRecord) -> Any:
+            await released.wait()
+            return await supervisor_for(record)
+
+        monkeypatch.setattr(launcher, "supervisor_for", held)
+        if moment == "queued":
+            released.set()
+            assert await manager.stop_job("queued") is True
+        else:
+            (tmp_path / "go").touch()  # the blocker ends; its watcher dispatches the job
+            await until(lambda: "queued" in dispatcher._handing_over, "the hand-over")
+            if moment == "handing_over":
+                stop = asyncio.create_task(manager.stop_job("queued"))
+                await until(lambda: "queued" in dispatcher._called_off, "the stop to wait")
+                released.set()
+                assert await stop is True
+            else:
+                released.set()
+                await until(lambda: "queued" not in dispatcher._handing_over, "the hand-over")
+                assert await manager.stop_job("queued") is True
+        record = await until_status(manager, "queued", TERMINAL)
+        assert record.status is JobStatus.STOPPED
+        if moment != "handed_over":
+            # Never started: its command never ran, so it has no log.
+            assert record.message == NEVER_STARTED_MESSAGE
+            assert not (state_dir / "logs" / "job-driver-queued.log").exists()
+            assert not marker.exists()
+        await manager.delete_job("queued")
+        # Its slot is free again: the next job runs.
+        (tmp_path / "go").touch()
+        await manager.submit_job(spec("after"))
+        assert (await until_status(manager, "after", TERMINAL)).status is JobStatus.SUCCEEDED
+        await until(lambda: queue.running == 0, "every slot to be free")
+        assert queue.queued == 0
