@@ -192,6 +192,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             interval_s=settings.retention_interval_s,
         ),
         on_retention_deleted=app[METRICS_KEY].retention_deleted_jobs.inc,
+        retry_backoff_s=settings.retry_backoff_s,
     )
     cluster_info = await read_cluster_info(connection.gcs_address)
     _use_backend(
