@@ -90,7 +90,6 @@ class SubmitJobRequest(BaseModel):
     timeout_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = Field(
         None, description="Extension: stop the job and fail it when it runs longer than this."
     )
-
     max_retries: Annotated[int, Field(ge=0, le=MAX_RETRIES, strict=True)] | None = Field(
         None, description="Extension: failed attempts retried after the first (null: 0)."
     )
