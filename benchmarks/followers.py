@@ -224,7 +224,7 @@ async def measure(
 
 def report(ours: Result, ray: Result) -> str:
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.2f}" if b > 0 else "n/a"
+        return f"{a / b:.2g}" if b > 0 else "n/a"  # two significant digits: 0.0033, not 0.00
 
     rows = [
         "| | jobs-server (SSE) | Ray (websocket tail) | ours / Ray's |",

@@ -237,6 +237,7 @@ class JobDetails(BaseModel):
     max_retries: int
     retry_on_exit_codes: list[int] | None
     attempts: list[JobAttemptDetails]
+    tenant: str = Field(description="Extension: the tenant whose key submitted the job.")
 
     @classmethod
     def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
@@ -282,6 +283,7 @@ class JobDetails(BaseModel):
                 None if spec.retry_on_exit_codes is None else list(spec.retry_on_exit_codes)
             ),
             attempts=[JobAttemptDetails.from_attempt(attempt) for attempt in record.attempts],
+            tenant=record.tenant,
         )
 
 

@@ -15,6 +15,7 @@ from aiohttp import web
 from jobs_server.auth import AccessPolicy, resolve_auth_token
 from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
+from jobs_server.key_ring import KeyRing, reload_keys_on_sighup
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
     CLUSTER_HEALTH_KEY,
@@ -22,6 +23,7 @@ from jobs_server.keys import (
     DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
+    KEY_RING_KEY,
     METRICS_KEY,
     PACKAGE_STORE_KEY,
     RAY_DRIVERS_KEY,
@@ -80,8 +82,9 @@ def create_app(
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )
     app[SETTINGS_KEY] = settings
-    app[ACCESS_POLICY_KEY] = AccessPolicy(
-        token=resolve_auth_token(settings), cors_origins=frozenset(settings.cors_origins)
+    app[ACCESS_POLICY_KEY] = AccessPolicy(cors_origins=frozenset(settings.cors_origins))
+    app[KEY_RING_KEY] = KeyRing(
+        admin_token=resolve_auth_token(settings), tokens_file=settings.tokens_file
     )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
@@ -97,6 +100,8 @@ def create_app(
         app.cleanup_ctx.append(_dashboard_registration)
     else:
         _use_backend(app, backend)
+    # After joining Ray, whose start may set signal handlers of its own.
+    app.cleanup_ctx.append(reload_keys_on_sighup(KEY_RING_KEY))
     for table in ROUTE_TABLES:
         app.router.add_routes(table)
     if settings.cors_origins:

@@ -77,8 +77,7 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """What the middlewares enforce: the token (None: no authentication) and the browser
+    """What the middlewares enforce beyond keys (those are the `KeyRing`'s): the browser
     origins allowed to call cross-site."""
 
-    token: str | None
     cors_origins: frozenset[str]

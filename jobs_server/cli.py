@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 SERVE = "serve"
+HASH_TOKEN = "hash-token"
 
 
 def _flag(field_name: str) -> str:
@@ -42,6 +43,17 @@ def build_parser(*, serve_options: bool = True) -> argparse.ArgumentParser:
         SERVE,
         help="run the server",
         description="Run the job server. Flags override JOBS_SERVER_* environment variables.",
+    )
+    hash_token = commands.add_parser(
+        HASH_TOKEN,
+        help="print a new API key and its digest for the tokens file",
+        description=(
+            "Print a new random API key (give it to its user) and its sha256 digest (put that"
+            " in the --tokens-file). With --stdin, the digest of a key read from stdin instead."
+        ),
+    )
+    hash_token.add_argument(
+        "--stdin", action="store_true", help="hash the key on stdin's first line instead"
     )
     add_client_commands(commands)
     if serve_options:
@@ -98,11 +110,30 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         parser.print_help(sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    if args.command == HASH_TOKEN:
+        sys.exit(print_new_key(from_stdin=args.stdin))
     if args.command != SERVE:
         sys.exit(run_client_command(args))
     flags = vars(args)
     flags.pop("command")
     serve(flags)
+
+
+def print_new_key(*, from_stdin: bool) -> int:
+    """`hash-token`: a new key and its digest (or the digest of the key on stdin)."""
+    from jobs_server.key_digest import digest_of, new_api_key
+
+    if from_stdin:
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("jobs-server hash-token: no key on stdin", file=sys.stderr)
+            return USAGE_EXIT_CODE
+        print(f'digest = "{digest_of(key)}"')
+        return 0
+    key = new_api_key()
+    print(f"key: {key}")
+    print(f'digest = "{digest_of(key)}"')
+    return 0
 
 
 def _command_of(argv: list[str]) -> str | None:
@@ -120,6 +151,7 @@ def serve(flags: dict[str, Any]) -> None:
     from jobs_server.app import create_app
     from jobs_server.auth import TokenSourceError, resolve_auth_token
     from jobs_server.request_body import describe_validation_error
+    from jobs_server.tokens import TokensFileError, load_tokens_file
 
     try:
         settings = load_settings(flags)
@@ -132,17 +164,20 @@ def serve(flags: dict[str, Any]) -> None:
     )
     try:
         token = resolve_auth_token(settings)
+        if settings.tokens_file is not None:
+            load_tokens_file(settings.tokens_file)  # checked whole here: an error is no start
         ssl_context = _ssl_context(settings)
-    except (TokenSourceError, OSError, ssl.SSLError) as error:
+    except (TokenSourceError, TokensFileError, OSError, ssl.SSLError) as error:
         sys.exit(f"jobs-server: {error}")
-    _check_bind(settings, has_token=token is not None)
+    has_keys = token is not None or settings.tokens_file is not None
+    _check_bind(settings, has_token=has_keys)
     logger.info(
         "jobs-server %s listening on %s://%s:%d (%s)",
         __version__,
         "https" if ssl_context else "http",
         settings.host,
         settings.port,
-        "token required" if token else "no authentication",
+        "key required" if has_keys else "no authentication",
     )
     web.run_app(
         create_app(settings),
@@ -174,8 +209,8 @@ def _check_bind(settings: Settings, *, has_token: bool) -> None:
     if not settings.insecure_no_auth:
         sys.exit(
             f"jobs-server: refusing to listen on {settings.host} without a token: anyone who can"
-            " reach it could run commands here. Set JOBS_SERVER_AUTH_TOKEN or --auth-token-file,"
-            " or pass --insecure-no-auth if something else protects it."
+            " reach it could run commands here. Set JOBS_SERVER_AUTH_TOKEN, --auth-token-file or"
+            " --tokens-file, or pass --insecure-no-auth if something else protects it."
         )
     logger.warning(
         "listening on %s WITHOUT authentication (--insecure-no-auth): anyone who can reach this"

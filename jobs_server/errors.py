@@ -12,6 +12,7 @@ JobsServerError
 │   └── JobNotTerminalError    deleting a job that has not ended
 ├── AuthenticationRequiredError  no token (401)
 ├── InvalidTokenError          a wrong token (403)
+├── PermissionDeniedError      the key's role may not do that: a `read` key that changes (403)
 ├── CrossSiteRequestError      a browser request from another site (403)
 ├── PayloadTooLargeError       a body over the configured limit
 ├── TooManyRequestsError       over a bound on work in progress; try again later (429)
@@ -150,6 +151,10 @@ class AuthenticationRequiredError(JobsServerError):
 
 class InvalidTokenError(JobsServerError):
     code = "forbidden"
+
+
+class PermissionDeniedError(JobsServerError):
+    code = "permission_denied"
 
 
 class CrossSiteRequestError(JobsServerError):

@@ -26,7 +26,12 @@ class JobDetailsJsonCache:
     def size_bytes(self) -> int:
         return self._bytes
 
-    def json_for(self, record: JobRecord, driver: RayDriver | None = None) -> str:
+    def json_for(
+        self, record: JobRecord, driver: RayDriver | None = None, *, remember: bool = True
+    ) -> str:
+        """The details' JSON, from the cache if there; `remember=False` for a one-off scan (the
+        whole list streamed): it would only evict what pages and polls reuse, and hold the
+        cache's full size in memory for the scan's sake."""
         if not record.status.is_terminal():
             return JobDetails.from_record(record, driver).model_dump_json()
         # A deleted and resubmitted id is another run; a driver found after the job ended makes
@@ -44,7 +49,7 @@ class JobDetailsJsonCache:
             return text
         text = JobDetails.from_record(record, driver).model_dump_json()
         size = len(text)
-        if size > self._max_bytes:
+        if not remember or size > self._max_bytes:
             return text
         while self._bytes + size > self._max_bytes:
             _, evicted = self._json.popitem(last=False)

@@ -9,6 +9,7 @@ from aiohttp import web
 from jobs_server.auth import AccessPolicy
 from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
+from jobs_server.key_ring import KeyRing
 from jobs_server.manager import (
     ClusterHealth,
     ClusterInfo,
@@ -16,6 +17,7 @@ from jobs_server.manager import (
     JobManagerApi,
     PackageStoreApi,
 )
+from jobs_server.manager.tenancy import Principal
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
 from jobs_server.upload_budget import UploadBudget
@@ -29,6 +31,9 @@ CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 CLUSTER_HEALTH_KEY = web.AppKey("cluster_health", ClusterHealth)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
+# The keys the server accepts (re-read on SIGHUP); its `limits_for(tenant)` are the caps of
+# each tenant that the tokens file sets.
+KEY_RING_KEY = web.AppKey("key_ring", KeyRing)
 METRICS_KEY = web.AppKey("metrics", ServerMetrics)
 # Set when the server begins to shut down: open log streams end.
 SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
@@ -38,3 +43,6 @@ UPLOAD_BUDGET_KEY = web.AppKey("upload_budget", UploadBudget)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)
+# Who calls, set by the authentication middleware on every request that needs a key (and on
+# every request when the server has none): handlers scope the manager's calls by it.
+PRINCIPAL_KEY = web.RequestKey("principal", Principal)

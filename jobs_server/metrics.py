@@ -1,11 +1,17 @@
-"""Prometheus metrics: HTTP requests by route, and jobs by status (read when scraped)."""
+"""Prometheus metrics: HTTP requests by route, and jobs by tenant and status (read when scraped).
+
+The job counts are made for each scrape from the caller's view: an admin sees every tenant's
+series, any other key only its own tenant's, and none of the server-wide series (HTTP requests,
+retention), which count every tenant's traffic together."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from jobs_server.manager import JobStatus
 
@@ -31,12 +37,6 @@ class ServerMetrics:
             ["route"],
             registry=self.registry,
         )
-        self.jobs = Gauge(
-            "jobs_server_jobs",
-            "Jobs the server knows, by status.",
-            ["status"],
-            registry=self.registry,
-        )
         self.retention_deleted_jobs = Counter(
             "jobs_server_retention_deleted_jobs",
             "Finished jobs deleted by retention (--retention-max-age-s, --retention-max-jobs).",
@@ -47,11 +47,33 @@ class ServerMetrics:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route).observe(duration_s)
 
-    def exposition(self, by_status: Mapping[JobStatus, int]) -> bytes:
-        """The text exposition format, with the job counts `by_status`."""
-        for status in JobStatus:
-            self.jobs.labels(status.value).set(by_status.get(status, 0))
-        return generate_latest(self.registry)
+    def exposition(
+        self, by_tenant: Mapping[str, Mapping[JobStatus, int]], *, server_wide: bool
+    ) -> bytes:
+        """The text exposition format: the job counts `by_tenant` (every status of each of its
+        tenants, zeros included), after the server-wide series if `server_wide`."""
+        jobs = CollectorRegistry(auto_describe=False)
+        jobs.register(_JobCounts(by_tenant))
+        text = generate_latest(jobs)
+        return generate_latest(self.registry) + text if server_wide else text
+
+
+class _JobCounts(Collector):
+    """`jobs_server_jobs{tenant, status}` of one scrape (no state shared between callers)."""
+
+    def __init__(self, by_tenant: Mapping[str, Mapping[JobStatus, int]]) -> None:
+        self._by_tenant = by_tenant
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily(
+            "jobs_server_jobs",
+            "Jobs the server knows, by tenant and status.",
+            labels=["tenant", "status"],
+        )
+        for tenant, counts in sorted(self._by_tenant.items()):
+            for status in JobStatus:
+                gauge.add_metric([tenant, status.value], counts.get(status, 0))
+        return [gauge]
 
 
 def route_name(request: web.Request) -> str:

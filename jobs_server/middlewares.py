@@ -11,7 +11,7 @@ from http import HTTPStatus
 from aiohttp import web
 
 from jobs_server.api_models import ErrorDetail, ErrorResponse
-from jobs_server.auth import token_from_headers, token_matches
+from jobs_server.auth import token_from_headers
 from jobs_server.errors import (
     AuthenticationRequiredError,
     ClusterUnavailableError,
@@ -24,10 +24,18 @@ from jobs_server.errors import (
     JobsServerError,
     PackageNotFoundError,
     PayloadTooLargeError,
+    PermissionDeniedError,
     TooManyRequestsError,
     UnsupportedMediaTypeError,
 )
-from jobs_server.keys import ACCESS_POLICY_KEY, AUTHENTICATED_KEY, METRICS_KEY
+from jobs_server.keys import (
+    ACCESS_POLICY_KEY,
+    AUTHENTICATED_KEY,
+    KEY_RING_KEY,
+    METRICS_KEY,
+    PRINCIPAL_KEY,
+)
+from jobs_server.manager.tenancy import ANONYMOUS_ADMIN
 from jobs_server.metrics import CANCELLED_REQUEST_STATUS, route_name
 
 logger = logging.getLogger(__name__)
@@ -38,6 +46,7 @@ _STATUS_BY_ERROR: dict[type[JobsServerError], int] = {
     InvalidRequestError: 400,
     AuthenticationRequiredError: 401,
     InvalidTokenError: 403,
+    PermissionDeniedError: 403,
     CrossSiteRequestError: 403,
     JobNotFoundError: 404,
     PackageNotFoundError: 404,
@@ -108,8 +117,9 @@ UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """401 without a token, 403 with a wrong one; the token itself is never logged."""
-    expected = request.app[ACCESS_POLICY_KEY].token
+    """Who calls: 401 without a key, 403 with one the server does not know, 403 for a `read`
+    key that would change something. The key itself is never logged."""
+    keys = request.app[KEY_RING_KEY]
     request[AUTHENTICATED_KEY] = False
     # A CORS preflight carries no credentials by design; it only asks what is allowed.
     exempt = (
@@ -117,15 +127,27 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
         or request.path.startswith(UNAUTHENTICATED_PREFIXES)
         or request.method == "OPTIONS"
     )
-    if expected is not None and not exempt:
+    if not keys.requires_key:
+        request[PRINCIPAL_KEY] = ANONYMOUS_ADMIN
+    elif not exempt:
         given = token_from_headers(request.headers)
         if given is None:
             raise AuthenticationRequiredError(
                 "This server requires a token: send `Authorization: Bearer <token>`."
             )
-        if not token_matches(given, expected):
+        principal = keys.principal_for(given)
+        if principal is None:
             raise InvalidTokenError("The token is not valid for this server.")
         request[AUTHENTICATED_KEY] = True
+        request[PRINCIPAL_KEY] = principal
+        # Decided by the method of a route that exists, before the body is read: a read key
+        # changes nothing, and learns nothing of whether the job it names exists.
+        changes = request.method in UNSAFE_METHODS and request.match_info.http_exception is None
+        if changes and not principal.role.may_change_jobs():
+            raise PermissionDeniedError(
+                f"This key ({principal.key_name}) may only read: submit, stop, delete and"
+                " package uploads need a key with the `submit` or `admin` role."
+            )
     return await handler(request)
 
 

@@ -165,6 +165,14 @@ class Settings(BaseSettings):
     auth_token_file: Path | None = Field(
         None, description="File holding the bearer token (its first line)."
     )
+    tokens_file: Path | None = Field(
+        None,
+        description=(
+            "TOML file of API keys (by sha256 digest), each with a tenant and a role (admin,"
+            " submit, read), and per-tenant caps; re-read on SIGHUP. The auth token, if any,"
+            " stays an admin key beside them."
+        ),
+    )
     insecure_no_auth: bool = Field(
         False,
         description="Allow a non-loopback bind without a token: anyone who reaches it runs code.",

@@ -43,6 +43,7 @@ from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 FAKE_CLUSTER_INFO = ClusterInfo(
     ray_version=ray.__version__,
@@ -110,11 +111,18 @@ class InMemoryEventLog:
         self.on_events = on_events
         self._next_id = 1
 
-    def record(self, type: JobEventType, record: JobRecord | None, submission_id: str) -> JobEvent:
+    def record(
+        self,
+        type: JobEventType,
+        record: JobRecord | None,
+        submission_id: str,
+        tenant: str = DEFAULT_TENANT,
+    ) -> JobEvent:
         event = JobEvent(
             id=self._next_id,
             type=type,
             submission_id=submission_id,
+            tenant=tenant,
             status=None if record is None else record.status,
             message=None if record is None else record.message,
             time=now_ms(),
@@ -156,18 +164,18 @@ class FakeJobManager:
 
     # The manager's API (jobs_server.manager.JobManagerApi).
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Check the runtime env as the real manager does, then record the job PENDING."""
         await _validate_runtime_env(spec.runtime_env, self.packages)
         if spec.submission_id in self._records:
             raise DuplicateJobError(spec.submission_id)
-        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.")
+        record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.", tenant=tenant)
         self._records[spec.submission_id] = record
-        self.event_log.record(JobEventType.SUBMITTED, record, spec.submission_id)
+        self.event_log.record(JobEventType.SUBMITTED, record, spec.submission_id, tenant)
         return record
 
-    async def get_job(self, submission_id: str) -> JobRecord:
-        return self._get(submission_id)
+    async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
+        return self._get(submission_id, tenant)
 
     async def list_jobs(
         self,
@@ -175,8 +183,9 @@ class FakeJobManager:
         query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
+        tenant: str | None = None,
     ) -> JobPage:
-        records = self._matching(query or JobQuery(), after)
+        records = self._matching(query or JobQuery(), after, tenant)
         next_after = None
         if limit is not None and len(records) > limit:
             records = records[:limit]
@@ -184,21 +193,27 @@ class FakeJobManager:
         return JobPage(records=records, next_after=next_after)
 
     async def stream_jobs(
-        self, query: JobQuery | None = None, *, after: str | None = None
+        self,
+        query: JobQuery | None = None,
+        *,
+        after: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[list[JobRecord]]:
-        records = self._matching(query or JobQuery(), after)
+        records = self._matching(query or JobQuery(), after, tenant)
         for start in range(0, len(records), 2):  # small batches, to exercise the joins
             yield records[start : start + 2]
 
-    def _matching(self, query: JobQuery, after: str | None) -> list[JobRecord]:
+    def _matching(self, query: JobQuery, after: str | None, tenant: str | None) -> list[JobRecord]:
         """The archive's query, over the dict."""
-        records = list(self._records.values())
+        tenant = tenant if tenant is not None else query.tenant
+        records = [r for r in self._records.values() if tenant is None or r.tenant == tenant]
         if query.descending:
             records.reverse()
         if after is not None:
-            if after not in self._records:
+            ids = [r.submission_id for r in records]
+            if after not in ids:  # unknown, or another tenant's
                 raise InvalidRequestError(f"after: no job {after!r} to continue after.")
-            records = records[[r.submission_id for r in records].index(after) + 1 :]
+            records = records[ids.index(after) + 1 :]
         return [
             record
             for record in records
@@ -210,11 +225,33 @@ class FakeJobManager:
             and all(record.spec.metadata.get(key) == value for key, value in query.metadata)
         ]
 
-    async def count_by_status(self) -> dict[JobStatus, int]:
-        return dict(Counter(record.status for record in self._records.values()))
+    async def count_by_status(self, *, tenant: str | None = None) -> dict[JobStatus, int]:
+        return dict(
+            Counter(
+                record.status
+                for record in self._records.values()
+                if tenant is None or record.tenant == tenant
+            )
+        )
 
-    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
-        record = self._get(submission_id)
+    async def count_by_tenant(
+        self, *, tenant: str | None = None
+    ) -> dict[str, dict[JobStatus, int]]:
+        counts: dict[str, dict[JobStatus, int]] = {}
+        for record in self._records.values():
+            if tenant is None or record.tenant == tenant:
+                of_tenant = counts.setdefault(record.tenant, {})
+                of_tenant[record.status] = of_tenant.get(record.status, 0) + 1
+        return counts
+
+    async def stop_job(
+        self,
+        submission_id: str,
+        grace_period_s: float | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> bool:
+        record = self._get(submission_id, tenant)
         self.stop_requests.append((submission_id, grace_period_s))
         if record.status.is_terminal():
             return False
@@ -233,13 +270,13 @@ class FakeJobManager:
             )
         return True
 
-    async def delete_job(self, submission_id: str) -> None:
-        record = self._get(submission_id)
+    async def delete_job(self, submission_id: str, *, tenant: str | None = None) -> None:
+        record = self._get(submission_id, tenant)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
         del self._records[submission_id]
         job_log_path(self.log_dir, submission_id).unlink(missing_ok=True)
-        self.event_log.record(JobEventType.DELETED, None, submission_id)
+        self.event_log.record(JobEventType.DELETED, None, submission_id, record.tenant)
 
     async def read_logs(
         self,
@@ -250,8 +287,9 @@ class FakeJobManager:
         follow: bool = False,
         idle_tick_s: float | None = None,
         stop_when: Callable[[], bool] | None = None,
+        tenant: str | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
-        self._get(submission_id)
+        self._get(submission_id, tenant)
 
         async def job_is_terminal() -> bool:
             record = self._records.get(submission_id)
@@ -268,8 +306,8 @@ class FakeJobManager:
             stop_when=stop_when,
         )
 
-    async def log_size(self, submission_id: str) -> int:
-        self._get(submission_id)
+    async def log_size(self, submission_id: str, *, tenant: str | None = None) -> int:
+        self._get(submission_id, tenant)
         return await asyncio.to_thread(log_size, job_log_path(self.log_dir, submission_id))
 
     async def subscribe_events(
@@ -325,9 +363,9 @@ class FakeJobManager:
             driver_exit_code=exit_code,
         )
 
-    def _get(self, submission_id: str) -> JobRecord:
+    def _get(self, submission_id: str, tenant: str | None = None) -> JobRecord:
         record = self._records.get(submission_id)
-        if record is None:
+        if record is None or (tenant is not None and record.tenant != tenant):
             raise JobNotFoundError(submission_id)
         return record
 
@@ -341,7 +379,7 @@ class FakeJobManager:
         updated = current.with_changes(**changes)
         self._records[submission_id] = updated
         if updated.status is not current.status:
-            self.event_log.record(JobEventType.STATUS, updated, submission_id)
+            self.event_log.record(JobEventType.STATUS, updated, submission_id, updated.tenant)
         return updated
 
 

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError, archive_path
+from jobs_server.manager.archive import (
+    _MIGRATIONS,
+    Archive,
+    JobQuery,
+    UnknownCursorError,
+    archive_path,
+)
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 
@@ -202,7 +208,7 @@ async def test_the_history_survives_reopening_and_metadata_goes_with_its_job(
     await reopened.close()
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-    assert db.execute("PRAGMA user_version").fetchone()[0] == 1
+    assert db.execute("PRAGMA user_version").fetchone()[0] == len(_MIGRATIONS)
     assert db.execute("SELECT COUNT(*) FROM job_metadata").fetchone()[0] == 0
     db.close()
 

@@ -28,3 +28,13 @@ def test_a_live_job_is_never_cached() -> None:
     cache = JobDetailsJsonCache(max_bytes=10_000)
     cache.json_for(finished(0).with_changes(status=JobStatus.RUNNING, end_time=None))
     assert cache.size_bytes == 0
+
+
+def test_a_scan_reads_the_cache_without_filling_it() -> None:
+    cache = JobDetailsJsonCache(max_bytes=100_000)
+    kept = cache.json_for(finished(0))
+    held = cache.size_bytes
+    scanned = [cache.json_for(finished(index), remember=False) for index in range(100)]
+    assert cache.size_bytes == held
+    assert scanned[0] is kept  # the cached text itself, not a copy made again
+    assert scanned[1:] == [cache.json_for(finished(index)) for index in range(1, 100)]

@@ -30,9 +30,9 @@ async def test_metrics_count_requests_by_route_and_jobs_by_status(
     assert response.status == 200
     assert response.content_type == "text/plain"
     found = samples(await response.text())
-    assert found[("jobs_server_jobs", (("status", "SUCCEEDED"),))] == 1
-    assert found[("jobs_server_jobs", (("status", "FAILED"),))] == 1
-    assert found[("jobs_server_jobs", (("status", "RUNNING"),))] == 0
+    assert found[("jobs_server_jobs", (("status", "SUCCEEDED"), ("tenant", "default")))] == 1
+    assert found[("jobs_server_jobs", (("status", "FAILED"), ("tenant", "default")))] == 1
+    assert found[("jobs_server_jobs", (("status", "RUNNING"), ("tenant", "default")))] == 0
     submits = (("method", "POST"), ("route", "submit_job"), ("status", "200"))
     assert found[("jobs_server_http_requests_total", submits)] == 2
     not_found = (("method", "GET"), ("route", "get_job"), ("status", "404"))

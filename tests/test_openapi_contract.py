@@ -22,6 +22,7 @@ from pydantic import BaseModel, SecretStr
 
 from jobs_server import api_models
 from jobs_server.app import create_app
+from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
 from tests.conftest import wait_for_status
 from tests.fakes import FakeJobManager
@@ -342,3 +343,39 @@ async def test_token_answers_match_the_document(
     } - PUBLIC_OPERATIONS
     assert {(operation, "401") for operation in operations} <= contract.exercised
     assert {(operation, "403") for operation in operations} <= contract.exercised
+
+
+async def test_read_key_answers_match_the_document(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    fake_settings: Settings,
+    fake: FakeJobManager,
+    contract: Contract,
+    tmp_path: Path,
+) -> None:
+    """With a tokens file, a `read` key gets 403 `permission_denied` for every operation that
+    changes something, as documented, and nothing is recorded."""
+    read_key = secrets.token_urlsafe(32)
+    tokens_file = tmp_path / "tokens.toml"
+    tokens_file.write_text(
+        f'[[keys]]\ndigest = "{digest_of(read_key)}"\ntenant = "team-a"\nrole = "read"\n'
+    )
+    with_keys = fake_settings.model_copy(update={"tokens_file": tokens_file})
+    api = Exchange(await aiohttp_client(create_app(with_keys, backend=fake.backend())), contract)
+    changing = set()
+    for template, path_item in contract.spec["paths"].items():
+        path = template.format(
+            job_id="any", protocol="gcs", package_name="_ray_pkg_00ff.zip", file_name="app.js"
+        )
+        for method in ("post", "put", "delete"):
+            if method in path_item:
+                refused = await api.call(
+                    method.upper(),
+                    path,
+                    json={"entrypoint": "true"},
+                    headers={"Authorization": f"Bearer {read_key}"},
+                    expect=403,
+                )
+                assert refused["error"]["code"] == "permission_denied"
+                changing.add(path_item[method]["operationId"])
+    assert changing == {"submit_job", "stop_job", "delete_job", "upload_package"}
+    assert (await fake.list_jobs()).records == []

@@ -15,16 +15,22 @@ from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 
 class JobManagerApi(Protocol):
-    """The manager's public methods; each raises the domain errors of `jobs_server.errors`."""
+    """The manager's public methods; each raises the domain errors of `jobs_server.errors`.
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
-        """Record the job (PENDING) and start it; DuplicateJobError if its id is taken."""
+    `tenant` scopes a call to one tenant's jobs (None: every tenant's, an admin's view): a job
+    of another tenant raises the same JobNotFoundError as an unknown id, so ids do not leak.
+    """
+
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
+        """Record the job (PENDING) of `tenant` and start it; DuplicateJobError if its id is
+        taken (by any tenant)."""
         ...
 
-    async def get_job(self, submission_id: str) -> JobRecord:
+    async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
         """The job's record; JobNotFoundError if there is none."""
         ...
 
@@ -34,27 +40,44 @@ class JobManagerApi(Protocol):
         query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
+        tenant: str | None = None,
     ) -> JobPage:
         """Jobs in submission order, filtered and paged; InvalidRequestError for an unknown
         `after`."""
         ...
 
     def stream_jobs(
-        self, query: JobQuery | None = None, *, after: str | None = None
+        self,
+        query: JobQuery | None = None,
+        *,
+        after: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[list[JobRecord]]:
         """Every job matching `query` after `after`, in batches (an async generator);
         InvalidRequestError for an unknown `after`, before the first batch."""
         ...
 
-    async def count_by_status(self) -> dict[JobStatus, int]:
+    async def count_by_status(self, *, tenant: str | None = None) -> dict[JobStatus, int]:
         """How many jobs of each status (the statuses with none may be left out)."""
         ...
 
-    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
+    async def count_by_tenant(
+        self, *, tenant: str | None = None
+    ) -> dict[str, dict[JobStatus, int]]:
+        """How many jobs of each status, by tenant (the metrics' `tenant` label)."""
+        ...
+
+    async def stop_job(
+        self,
+        submission_id: str,
+        grace_period_s: float | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> bool:
         """Ask the job to stop; False if it had already ended."""
         ...
 
-    async def delete_job(self, submission_id: str) -> None:
+    async def delete_job(self, submission_id: str, *, tenant: str | None = None) -> None:
         """Forget an ended job and its log; JobNotTerminalError if it has not ended."""
         ...
 
@@ -67,21 +90,22 @@ class JobManagerApi(Protocol):
         follow: bool = False,
         idle_tick_s: float | None = None,
         stop_when: Callable[[], bool] | None = None,
+        tenant: str | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log chunks from `offset`; JobNotFoundError before any chunk is read. A
         follower at the end of the log gets an idle (empty) chunk every `idle_tick_s`, or, with
         `stop_when`, as soon as `stop_when()` turns true."""
         ...
 
-    async def log_size(self, submission_id: str) -> int:
+    async def log_size(self, submission_id: str, *, tenant: str | None = None) -> int:
         """The job's log size in bytes now."""
         ...
 
     async def subscribe_events(
         self, *, after: int | None, event_filter: EventFilter, idle_tick_s: float | None = None
     ) -> AsyncGenerator[JobEvent | FeedReset | None, None]:
-        """The job events after id `after` (from now when None) that pass `event_filter`, in
-        order and endless (see `EventFeed.subscribe`)."""
+        """The job events after id `after` (from now when None) that pass `event_filter` (its
+        `tenant` scopes them), in order and endless (see `EventFeed.subscribe`)."""
         ...
 
 

@@ -68,6 +68,13 @@ _MIGRATIONS: tuple[str, ...] = (
         record TEXT
     );
     """,
+    # Tenants: rows from before them are the default tenant's; lists and counts by tenant.
+    """
+    UPDATE jobs SET tenant = 'default' WHERE tenant IS NULL;
+    UPDATE events SET tenant = 'default' WHERE tenant IS NULL;
+    CREATE INDEX jobs_tenant_seq ON jobs (tenant, seq);
+    CREATE INDEX jobs_tenant_status ON jobs (tenant, status);
+    """,
 )
 
 _TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
@@ -88,6 +95,8 @@ class JobQuery:
     metadata: tuple[tuple[str, str], ...] = ()
     """Exact matches, all of them."""
     descending: bool = False
+    tenant: str | None = None
+    """Only this tenant's jobs; None: every tenant's."""
 
 
 class UnknownCursorError(Exception):
@@ -159,9 +168,9 @@ class Archive:
 
     # -- writes -----------------------------------------------------------------------------
 
-    async def insert(self, record: JobRecord, *, tenant: str | None = None) -> None:
+    async def insert(self, record: JobRecord) -> None:
         """Record a new job; DuplicateJobError if its submission_id is in the archive."""
-        self._notify(await self._run(self._insert, record, tenant))
+        self._notify(await self._run(self._insert, record))
 
     async def insert_many(self, records: list[JobRecord]) -> None:
         """Record many new jobs in one transaction (an import, a benchmark's history); all or
@@ -172,7 +181,7 @@ class Archive:
         db = self._conn()
         db.execute("BEGIN IMMEDIATE")
         try:
-            events = [event for record in records for event in self._insert_row(db, record, None)]
+            events = [event for record in records for event in self._insert_row(db, record)]
             self._trim_events(db)
             db.execute("COMMIT")
         except BaseException:
@@ -180,11 +189,11 @@ class Archive:
             raise
         return events
 
-    def _insert(self, record: JobRecord, tenant: str | None) -> list[JobEvent]:
+    def _insert(self, record: JobRecord) -> list[JobEvent]:
         db = self._conn()
         db.execute("BEGIN IMMEDIATE")
         try:
-            events = self._insert_row(db, record, tenant)
+            events = self._insert_row(db, record)
             self._trim_events(db)
             db.execute("COMMIT")
         except BaseException:
@@ -192,9 +201,8 @@ class Archive:
             raise
         return events
 
-    def _insert_row(
-        self, db: sqlite3.Connection, record: JobRecord, tenant: str | None
-    ) -> list[JobEvent]:
+    def _insert_row(self, db: sqlite3.Connection, record: JobRecord) -> list[JobEvent]:
+        tenant = record.tenant
         try:
             cursor = db.execute(
                 "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
@@ -363,6 +371,22 @@ class Archive:
         rows = self._conn().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")
         return {JobStatus(status): count for status, count in rows.fetchall()}
 
+    async def count_by_tenant(self, tenant: str | None = None) -> dict[str, dict[JobStatus, int]]:
+        """How many jobs of each status, by tenant (only `tenant`'s, if given): one scan of
+        the tenant index, no record read."""
+        return await self._run(self._count_by_tenant, tenant)
+
+    def _count_by_tenant(self, tenant: str | None) -> dict[str, dict[JobStatus, int]]:
+        sql, parameters = "SELECT tenant, status, COUNT(*) FROM jobs", []
+        if tenant is not None:
+            sql, parameters = sql + " WHERE tenant = ?", [tenant]
+        counts: dict[str, dict[JobStatus, int]] = {}
+        for row_tenant, status, count in self._conn().execute(
+            sql + " GROUP BY tenant, status", parameters
+        ):
+            counts.setdefault(row_tenant, {})[JobStatus(status)] = count
+        return counts
+
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
         return await self._run(self._unfinished)
@@ -382,12 +406,12 @@ class Archive:
         it is not here), and whether more follow."""
         return await self._run(self._page, query, after, limit)
 
-    def _seq_of(self, after: str) -> int:
-        row = (
-            self._conn()
-            .execute("SELECT seq FROM jobs WHERE submission_id = ?", (after,))
-            .fetchone()
-        )
+    def _seq_of(self, after: str, tenant: str | None = None) -> int:
+        # A cursor of another tenant's job is as unknown as one that never existed.
+        sql, parameters = "SELECT seq FROM jobs WHERE submission_id = ?", [after]
+        if tenant is not None:
+            sql, parameters = sql + " AND tenant = ?", [after, tenant]
+        row = self._conn().execute(sql, parameters).fetchone()
         if row is None:
             raise UnknownCursorError(after)
         return int(row[0])
@@ -395,7 +419,7 @@ class Archive:
     def _page(
         self, query: JobQuery, after: str | None, limit: int | None
     ) -> tuple[list[JobRecord], bool]:
-        after_seq = None if after is None else self._seq_of(after)
+        after_seq = None if after is None else self._seq_of(after, query.tenant)
         sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
         rows = self._conn().execute(sql, parameters).fetchall()
         more = limit is not None and len(rows) > limit
@@ -407,7 +431,7 @@ class Archive:
         """Every job matching `query` (after the job `after`: UnknownCursorError, raised before
         any batch, if it is not here), in batches of STREAM_BATCH_ROWS (keyset pagination: each
         batch is one indexed read, and no batch holds the database)."""
-        after_seq = None if after is None else await self._run(self._seq_of, after)
+        after_seq = None if after is None else await self._run(self._seq_of, after, query.tenant)
         while True:
             rows = await self._run(self._batch, query, after_seq)
             if not rows:
@@ -502,6 +526,9 @@ def _select(query: JobQuery, after_seq: int | None, limit: int | None) -> tuple[
         statuses = sorted(status.value for status in query.statuses)
         clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
         parameters += statuses
+    if query.tenant is not None:
+        clauses.append("tenant = ?")
+        parameters.append(query.tenant)
     if query.submitted_after is not None:
         clauses.append("start_time > ?")
         parameters.append(query.submitted_after)

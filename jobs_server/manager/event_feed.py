@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from jobs_server.manager.events import EventLog, JobEvent
 from jobs_server.manager.records import JobStatus
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 # Events read back from the log at a time.
 LOG_PAGE = 500
@@ -26,15 +27,20 @@ MAX_BUFFERED = 1000
 
 @dataclass(frozen=True)
 class EventFilter:
-    """Which events a subscriber sees. The one place a tenant's filter will apply (issue 15:
-    a key sees only its tenant's events)."""
+    """Which events a subscriber sees; the one place a tenant's filter applies (a key that is
+    not an admin's sees only its tenant's events)."""
 
     submission_id: str | None = None
     statuses: frozenset[JobStatus] | None = None
+    tenant: str | None = None
+    """None: every tenant's events (an admin)."""
 
     def matches(self, event: JobEvent) -> bool:
-        return (self.submission_id is None or event.submission_id == self.submission_id) and (
-            self.statuses is None or event.status in self.statuses
+        return (
+            (self.submission_id is None or event.submission_id == self.submission_id)
+            and (self.statuses is None or event.status in self.statuses)
+            # Events recorded before tenants existed are the default tenant's.
+            and (self.tenant is None or (event.tenant or DEFAULT_TENANT) == self.tenant)
         )
 
 

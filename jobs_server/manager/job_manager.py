@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import string
@@ -34,6 +35,7 @@ from jobs_server.manager.cluster_resources import ClusterResources
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
@@ -48,6 +50,7 @@ from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.tenancy import DEFAULT_TENANT
 from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
@@ -221,17 +224,18 @@ class JobManager:
                 record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
             )
 
-    async def submit_job(self, spec: JobSpec) -> JobRecord:
-        """Record the job and hand it to a supervisor; return at once, the job PENDING."""
+    async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
+        """Record the job (of `tenant`) and hand it to a supervisor; return at once, PENDING."""
         await _validate_runtime_env(spec.runtime_env, self._packages)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
-        return await asyncio.shield(self._record_and_hand_over(spec))
+        return await asyncio.shield(self._record_and_hand_over(spec, tenant))
 
-    async def _record_and_hand_over(self, spec: JobSpec) -> JobRecord:
+    async def _record_and_hand_over(self, spec: JobSpec, tenant: str) -> JobRecord:
         run_id = new_run_id()
         record = JobRecord(
             spec=spec,
+            tenant=tenant,
             start_time=now_ms(),
             message="Job is pending.",
             supervisor_name=self._supervisors.name_for(spec, run_id),
@@ -255,13 +259,14 @@ class JobManager:
         self._watchers.watch(record, launch)
         return record
 
-    async def get_job(self, submission_id: str) -> JobRecord:
-        return await self._with_wait_message(await self._record(submission_id))
+    async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
+        return await self._with_wait_message(await self._record(submission_id, tenant))
 
-    async def _record(self, submission_id: str) -> JobRecord:
-        """The job as it is: its archived row, or for a live one what the KV says now."""
+    async def _record(self, submission_id: str, tenant: str | None = None) -> JobRecord:
+        """The job as it is: its archived row, or for a live one what the KV says now. A job
+        of another tenant than `tenant` (None: any) is not found, as an unknown id is."""
         archived = await self._archive.get(submission_id)
-        if archived is None:
+        if archived is None or not _in_scope(archived, tenant):
             raise JobNotFoundError(submission_id)
         if archived.status.is_terminal():
             return archived
@@ -273,12 +278,14 @@ class JobManager:
         query: JobQuery | None = None,
         after: str | None = None,
         limit: int | None = None,
+        tenant: str | None = None,
     ) -> JobPage:
-        """Jobs in submission order (newest first with `query.descending`): those matching
-        `query`, after the job `after`, at most `limit` of them; `next_after` is the cursor of
-        the next page, if there is one."""
+        """Jobs in submission order (newest first with `query.descending`): those of `tenant`
+        (None: every tenant) matching `query`, after the job `after`, at most `limit` of them;
+        `next_after` is the cursor of the next page, if there is one."""
+        query = _scoped(query, tenant)
         try:
-            records, more = await self._archive.page(query or JobQuery(), after=after, limit=limit)
+            records, more = await self._archive.page(query, after=after, limit=limit)
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
         records = await self._as_they_are(records)
@@ -286,34 +293,31 @@ class JobManager:
         return JobPage(records=records, next_after=next_after)
 
     async def stream_jobs(
-        self, query: JobQuery | None = None, *, after: str | None = None
+        self,
+        query: JobQuery | None = None,
+        *,
+        after: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[list[JobRecord]]:
-        """Every job matching `query` after the job `after`, in batches read from the archive
-        one at a time; InvalidRequestError for an unknown `after`, before the first batch."""
+        """Every job (of `tenant`) matching `query` after the job `after`, in batches read from
+        the archive one at a time; InvalidRequestError for an unknown `after`, before the first
+        batch."""
         try:
-            async for batch in self._archive.stream(query or JobQuery(), after=after):
+            async for batch in self._archive.stream(_scoped(query, tenant), after=after):
                 yield await self._as_they_are(batch)
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
 
-    async def count_by_status(self) -> dict[JobStatus, int]:
-        """How many jobs of each status: the archive's counts, with the live jobs as the KV has
-        them now (what a list would show); no finished record is read."""
-        counts = await self._archive.count_by_status()
-        unfinished = await self._archive.unfinished()
-        if not unfinished:
-            return counts
-        try:
-            current = await self._store.current(unfinished)
-        except Exception:
-            logger.warning("reading live jobs from the KV failed", exc_info=True)
-            return counts
-        for before in unfinished:
-            now = current.get(before.submission_id, before)
-            if before.status is not now.status:
-                counts[before.status] = counts.get(before.status, 0) - 1
-                counts[now.status] = counts.get(now.status, 0) + 1
-        return counts
+    async def count_by_status(self, *, tenant: str | None = None) -> dict[JobStatus, int]:
+        """How many jobs (of `tenant`; None: of every tenant) of each status."""
+        return total_by_status(await self.count_by_tenant(tenant=tenant))
+
+    async def count_by_tenant(
+        self, *, tenant: str | None = None
+    ) -> dict[str, dict[JobStatus, int]]:
+        """How many jobs of each status by tenant (only `tenant`, if given); no finished
+        record is read."""
+        return await count_jobs_by_tenant(self._archive, self._store, tenant)
 
     async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
@@ -331,9 +335,15 @@ class JobManager:
             for record in records
         ]
 
-    async def stop_job(self, submission_id: str, grace_period_s: float | None = None) -> bool:
-        """Ask a job to stop; return False if it had already ended."""
-        record = await self._record(submission_id)
+    async def stop_job(
+        self,
+        submission_id: str,
+        grace_period_s: float | None = None,
+        *,
+        tenant: str | None = None,
+    ) -> bool:
+        """Ask a job (of `tenant`) to stop; return False if it had already ended."""
+        record = await self._record(submission_id, tenant)
         if record.status.is_terminal():
             return False
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
@@ -418,9 +428,10 @@ class JobManager:
                     ) from error
                 await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
 
-    async def delete_job(self, submission_id: str) -> None:
-        """Forget a job that has ended: its record, in the archive and the KV, and its log."""
-        record = await self._record(submission_id)
+    async def delete_job(self, submission_id: str, *, tenant: str | None = None) -> None:
+        """Forget a job (of `tenant`) that has ended: its record, in the archive and the KV,
+        and its log."""
+        record = await self._record(submission_id, tenant)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
         with storage_errors_refused("a delete"):
@@ -454,10 +465,11 @@ class JobManager:
         follow: bool = False,
         idle_tick_s: float | None = None,
         stop_when: Callable[[], bool] | None = None,
+        tenant: str | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
-        before any chunk is read."""
-        await self._ensure_exists(submission_id)
+        before any chunk is read (also for a job of another tenant than `tenant`)."""
+        await self._ensure_exists(submission_id, tenant)
         return read_log_chunks(
             job_log_path(self._log_dir, submission_id),
             offset=offset,
@@ -469,9 +481,9 @@ class JobManager:
             stop_when=stop_when,
         )
 
-    async def log_size(self, submission_id: str) -> int:
+    async def log_size(self, submission_id: str, *, tenant: str | None = None) -> int:
         """The job's log size in bytes now."""
-        await self._ensure_exists(submission_id)
+        await self._ensure_exists(submission_id, tenant)
         return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
 
     async def subscribe_events(
@@ -482,10 +494,15 @@ class JobManager:
             after=after, event_filter=event_filter, idle_tick_s=idle_tick_s
         )
 
-    async def _ensure_exists(self, submission_id: str) -> None:
-        """Raise JobNotFoundError for an unknown job. A job this server watches exists without
-        asking the GCS, so its log is served while the GCS is away."""
-        if self._watchers.has_ended(submission_id) is None:
+    async def _ensure_exists(self, submission_id: str, tenant: str | None = None) -> None:
+        """Raise JobNotFoundError for an unknown job (or one of another tenant). A job this
+        server watches exists without asking the GCS, so its log is served while the GCS is
+        away; its tenant is in the archive, on this disk."""
+        if tenant is not None:
+            archived = await self._archive.get(submission_id)
+            if archived is None or not _in_scope(archived, tenant):
+                raise JobNotFoundError(submission_id)
+        elif self._watchers.has_ended(submission_id) is None:
             await self._record(submission_id)
 
     async def _job_has_ended(self, submission_id: str) -> bool:
@@ -505,6 +522,17 @@ class JobManager:
             return record
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
         return record if waiting_for is None else record.with_changes(message=waiting_for)
+
+
+def _in_scope(record: JobRecord, tenant: str | None) -> bool:
+    """Whether a caller that sees `tenant`'s jobs (None: every tenant's) may see `record`."""
+    return tenant is None or record.tenant == tenant
+
+
+def _scoped(query: JobQuery | None, tenant: str | None) -> JobQuery:
+    """`query` narrowed to `tenant`'s jobs (None: as it is)."""
+    query = query or JobQuery()
+    return query if tenant is None else dataclasses.replace(query, tenant=tenant)
 
 
 def _set_aside_orphaned_log(path: Path) -> None:

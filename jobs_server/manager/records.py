@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs_server.manager.tenancy import DEFAULT_TENANT
+
 
 class JobStatus(StrEnum):
     """Ray's job statuses; Ray's SDK rejects any other value."""
@@ -128,6 +130,7 @@ class JobRecord(BaseModel):
     attempts: tuple[JobAttempt, ...] = ()
     """The command's attempts so far, in order; written by the supervisor as each begins and
     ends."""
+    tenant: str = DEFAULT_TENANT
 
     @property
     def submission_id(self) -> str:

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.api_models import EventStreamHeartbeat, EventStreamReset, StreamedJobEvent
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
 from jobs_server.manager.event_feed import EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.records import JobStatus
@@ -62,8 +62,12 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
     last_event_id = request.headers.get("Last-Event-ID")
     if last_event_id is not None:  # a reconnecting EventSource: it wins over the URL's `after`
         after = _parse_event_id(last_event_id)
-    # Tenants (issue 15) narrow this filter: the one place a key's view of events is decided.
-    event_filter = EventFilter(submission_id=query.submission_id, statuses=query.statuses())
+    # The one place a key's view of events is decided: its tenant's (an admin's: all).
+    event_filter = EventFilter(
+        submission_id=query.submission_id,
+        statuses=query.statuses(),
+        tenant=request[PRINCIPAL_KEY].tenant_scope,
+    )
     items = await request.app[JOB_MANAGER_KEY].subscribe_events(
         after=after, event_filter=event_filter, idle_tick_s=CLIENT_CHECK_S
     )

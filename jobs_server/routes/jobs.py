@@ -23,6 +23,7 @@ from jobs_server.keys import (
     DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
+    PRINCIPAL_KEY,
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
 )
@@ -43,7 +44,9 @@ async def submit_job(request: web.Request) -> web.Response:
     body = await read_json_model(
         request, SubmitJobRequest, max_bytes=request.app[SETTINGS_KEY].max_request_bytes
     )
-    record = await request.app[JOB_MANAGER_KEY].submit_job(body.to_spec(new_submission_id()))
+    record = await request.app[JOB_MANAGER_KEY].submit_job(
+        body.to_spec(new_submission_id()), tenant=request[PRINCIPAL_KEY].tenant
+    )
     audit(
         request,
         "submit",
@@ -137,7 +140,12 @@ async def list_jobs(request: web.Request) -> web.StreamResponse:
     manager = request.app[JOB_MANAGER_KEY]
     if query.limit is None:
         return await _stream_jobs(request, job_query, query.after)
-    page = await manager.list_jobs(query=job_query, after=query.after, limit=query.limit)
+    page = await manager.list_jobs(
+        query=job_query,
+        after=query.after,
+        limit=query.limit,
+        tenant=request[PRINCIPAL_KEY].tenant_scope,
+    )
     text = "[" + ",".join(await _details_json(request, page.records)) + "]"
     response = web.Response(text=text, content_type="application/json")
     if page.next_after is not None:
@@ -146,10 +154,15 @@ async def list_jobs(request: web.Request) -> web.StreamResponse:
     return response
 
 
-async def _details_json(request: web.Request, records: list[JobRecord]) -> list[str]:
+async def _details_json(
+    request: web.Request, records: list[JobRecord], *, remember: bool = True
+) -> list[str]:
     cache = request.app[JOB_DETAILS_CACHE_KEY]
     drivers = await request.app[RAY_DRIVERS_KEY].find(records)
-    return [cache.json_for(record, drivers.get(record.submission_id)) for record in records]
+    return [
+        cache.json_for(record, drivers.get(record.submission_id), remember=remember)
+        for record in records
+    ]
 
 
 async def _stream_jobs(
@@ -157,7 +170,9 @@ async def _stream_jobs(
 ) -> web.StreamResponse:
     """The whole list as one JSON array, written batch by batch as the archive is read: a long
     history is never one string in memory."""
-    batches = request.app[JOB_MANAGER_KEY].stream_jobs(query, after=after)
+    batches = request.app[JOB_MANAGER_KEY].stream_jobs(
+        query, after=after, tenant=request[PRINCIPAL_KEY].tenant_scope
+    )
     # The first batch before the headers: a bad `after` is still a 400.
     first = await anext(batches, None)
     response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
@@ -166,7 +181,8 @@ async def _stream_jobs(
     separator = ""
     batch = first
     while batch is not None:
-        texts = await _details_json(request, batch)
+        # A scan of the whole history: served from the cache, never filling it.
+        texts = await _details_json(request, batch, remember=False)
         if texts:
             await response.write((separator + ",".join(texts)).encode())
             separator = ","
@@ -178,7 +194,9 @@ async def _stream_jobs(
 
 @routes.get("/api/jobs/{job_id}", name="get_job")
 async def get_job(request: web.Request) -> web.Response:
-    record = await request.app[JOB_MANAGER_KEY].get_job(request.match_info["job_id"])
+    record = await request.app[JOB_MANAGER_KEY].get_job(
+        request.match_info["job_id"], tenant=request[PRINCIPAL_KEY].tenant_scope
+    )
     drivers = await request.app[RAY_DRIVERS_KEY].find([record])
     return json_response(JobDetails.from_record(record, drivers.get(record.submission_id)))
 
@@ -193,7 +211,9 @@ async def stop_job(request: web.Request) -> web.Response:
         grace_period_s = body.grace_period_s
     _check_grace_ceiling(grace_period_s, request.app[SETTINGS_KEY].max_stop_grace_s)
     stopped = await request.app[JOB_MANAGER_KEY].stop_job(
-        request.match_info["job_id"], grace_period_s=grace_period_s
+        request.match_info["job_id"],
+        grace_period_s=grace_period_s,
+        tenant=request[PRINCIPAL_KEY].tenant_scope,
     )
     audit(request, "stop", request.match_info["job_id"], stopped=stopped)
     return json_response(StopJobResponse(stopped=stopped))
@@ -201,7 +221,9 @@ async def stop_job(request: web.Request) -> web.Response:
 
 @routes.delete("/api/jobs/{job_id}", name="delete_job")
 async def delete_job(request: web.Request) -> web.Response:
-    await request.app[JOB_MANAGER_KEY].delete_job(request.match_info["job_id"])
+    await request.app[JOB_MANAGER_KEY].delete_job(
+        request.match_info["job_id"], tenant=request[PRINCIPAL_KEY].tenant_scope
+    )
     audit(request, "delete", request.match_info["job_id"])
     return json_response(DeleteJobResponse(deleted=True))
 

@@ -24,7 +24,7 @@ from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
 from jobs_server.request_body import describe_validation_error
@@ -76,7 +76,9 @@ async def get_job_logs(request: web.Request) -> web.StreamResponse:
 
 async def _ray_json_logs(request: web.Request) -> web.StreamResponse:
     """Ray's `{"logs": "..."}`, written piece by piece: constant memory for any log size."""
-    chunks = await request.app[JOB_MANAGER_KEY].read_logs(request.match_info["job_id"])
+    chunks = await request.app[JOB_MANAGER_KEY].read_logs(
+        request.match_info["job_id"], tenant=request[PRINCIPAL_KEY].tenant_scope
+    )
     response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
     async with open_stream(request, response) as stream:
         await stream.write(b'{"logs": "')
@@ -92,12 +94,13 @@ async def _json_log_range(request: web.Request, query: LogQuery) -> web.StreamRe
     The range ends at the size the log had when the read began, so everything the body says is
     known before its headers go out (and a job deleted meanwhile cannot break it)."""
     manager, job_id = request.app[JOB_MANAGER_KEY], request.match_info["job_id"]
+    tenant = request[PRINCIPAL_KEY].tenant_scope
     offset = query.offset or 0
-    size = await manager.log_size(job_id)
+    size = await manager.log_size(job_id, tenant=tenant)
     limit = max(0, size - offset)
     if query.limit is not None:
         limit = min(limit, query.limit)
-    chunks = await manager.read_logs(job_id, offset=offset, limit=limit)
+    chunks = await manager.read_logs(job_id, offset=offset, limit=limit, tenant=tenant)
     response = web.StreamResponse(headers={"Content-Type": "application/json; charset=utf-8"})
     async with open_stream(request, response) as stream:
         await stream.write(f'{{"offset": {offset}, "logs": "'.encode())
@@ -114,10 +117,11 @@ async def _json_log_range(request: web.Request, query: LogQuery) -> web.StreamRe
 async def _text_logs(request: web.Request, query: LogQuery) -> web.StreamResponse:
     """The raw bytes: whole, from an offset, a `Range`, or followed until the job ends."""
     manager, job_id = request.app[JOB_MANAGER_KEY], request.match_info["job_id"]
+    tenant = request[PRINCIPAL_KEY].tenant_scope
     offset, limit, status = query.offset or 0, query.limit, 200
     headers = {"Content-Type": TEXT_CONTENT_TYPE, "Accept-Ranges": "bytes"}
     if "Range" in request.headers and not query.follow:
-        size = await manager.log_size(job_id)
+        size = await manager.log_size(job_id, tenant=tenant)
         offset, end = _byte_range(request, size)
         limit, status = end - offset, 206
         headers["Content-Range"] = f"bytes {offset}-{end - 1}/{size}"
@@ -129,6 +133,7 @@ async def _text_logs(request: web.Request, query: LogQuery) -> web.StreamRespons
         follow=query.follow,
         idle_tick_s=CLIENT_CHECK_S,
         stop_when=follower_should_stop(request),
+        tenant=tenant,
     )
     response = web.StreamResponse(status=status, headers=headers)
     async with open_stream(request, response) as stream:
@@ -165,6 +170,7 @@ async def tail_job_logs(request: web.Request) -> web.StreamResponse:
         follow=True,
         idle_tick_s=CLIENT_CHECK_S,
         stop_when=follower_should_stop(request),
+        tenant=request[PRINCIPAL_KEY].tenant_scope,
     )
     websocket = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
     async with open_stream(request, websocket) as stream:
@@ -179,6 +185,7 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
     offset after it; `Last-Event-ID` (or `?offset=`) resumes there. A final `end` event carries
     the job's status."""
     manager, job_id = request.app[JOB_MANAGER_KEY], request.match_info["job_id"]
+    tenant = request[PRINCIPAL_KEY].tenant_scope
     offset = _parse_query(request, LogStreamQuery).offset
     last_event_id = request.headers.get("Last-Event-ID")
     if last_event_id is not None:
@@ -189,6 +196,7 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
         follow=True,
         idle_tick_s=CLIENT_CHECK_S,
         stop_when=follower_should_stop(request),
+        tenant=tenant,
     )
     response = EventSourceResponse(ping_interval=HEARTBEAT_S)
     async with open_stream(request, response) as stream, response:
@@ -197,7 +205,7 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
                 await response.send(json.dumps(text), id=str(next_offset))
                 offset = next_offset
         if not stream.cut_short:  # the job has ended (or is gone: then no `end`)
-            job = await manager.get_job(job_id)
+            job = await manager.get_job(job_id, tenant=tenant)
             await response.send(
                 json.dumps({"status": job.status, "offset": offset}), event="end", id=str(offset)
             )

@@ -15,7 +15,9 @@ from jobs_server.keys import (
     CLUSTER_INFO_KEY,
     DISK_GUARD_KEY,
     JOB_MANAGER_KEY,
+    KEY_RING_KEY,
     METRICS_KEY,
+    PRINCIPAL_KEY,
 )
 from jobs_server.request_body import json_response
 
@@ -42,11 +44,16 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition: HTTP requests by route, jobs by status."""
+    """Prometheus text exposition: jobs by tenant and status (the caller's tenant only, unless
+    an admin calls); HTTP requests by route (to an admin only: they count every tenant's)."""
+    scope = request[PRINCIPAL_KEY].tenant_scope
     # Counted in the archive: a scrape never reads the whole history.
-    counts = await request.app[JOB_MANAGER_KEY].count_by_status()
+    counts = await request.app[JOB_MANAGER_KEY].count_by_tenant(tenant=scope)
+    # Every tenant a key names has its series, zeros before its first job.
+    for tenant in request.app[KEY_RING_KEY].tenants if scope is None else {scope}:
+        counts.setdefault(tenant, {})
     return web.Response(
-        body=request.app[METRICS_KEY].exposition(counts),
+        body=request.app[METRICS_KEY].exposition(counts, server_wide=scope is None),
         headers={"Content-Type": CONTENT_TYPE_LATEST},
     )
 

@@ -10,7 +10,7 @@ from typing import Final
 
 from aiohttp import web
 
-from jobs_server.keys import ACCESS_POLICY_KEY
+from jobs_server.keys import KEY_RING_KEY
 
 routes = web.RouteTableDef()
 
@@ -59,7 +59,7 @@ _AUTH_MARKER = b'data-auth="off"'
 async def web_page(request: web.Request) -> web.Response:
     """The page: the job list, a job's page and the submit form (routed in the page)."""
     body = await asyncio.to_thread(_read_static, PAGE_FILE)
-    if request.app[ACCESS_POLICY_KEY].token is not None:
+    if request.app[KEY_RING_KEY].requires_key:
         body = body.replace(_AUTH_MARKER, b'data-auth="on"', 1)
     return _static_response(body, "text/html")
 

@@ -1,0 +1,154 @@
+"""The tokens file (`--tokens-file`): API keys by digest, each with a tenant and a role, and
+optional caps per tenant. TOML, read with the standard library; checked whole before use.
+
+    [[keys]]
+    name = "ci-team-a"            # optional: shown in audit lines instead of the key
+    digest = "sha256:<64 hex>"    # `jobs-server hash-token` makes a key and its digest
+    tenant = "team-a"
+    role = "submit"               # admin | submit | read
+
+    [tenants.team-a]              # optional caps of the tenant's queue
+    max_running = 10
+    max_queued = 100
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from jobs_server.key_digest import DIGEST_PATTERN
+from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, TenantLimits
+
+TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+KEY_NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
+# A key without a name is shown in the audit log by the start of its digest (never the key).
+UNNAMED_KEY_DIGEST_CHARS = 12
+
+TenantName = Annotated[str, Field(pattern=TENANT_PATTERN)]
+
+
+class TokensFileError(Exception):
+    """The tokens file cannot be read or is not valid; the message says where and why."""
+
+
+class _KeyEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: Annotated[str, Field(pattern=KEY_NAME_PATTERN)] | None = None
+    digest: Annotated[str, Field(pattern=DIGEST_PATTERN.pattern)]
+    tenant: TenantName
+    role: Role
+
+
+class _TenantEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_running: Annotated[int, Field(ge=1, strict=True)] | None = None
+    max_queued: Annotated[int, Field(ge=0, strict=True)] | None = None
+
+
+class _TokensDocument(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    keys: list[_KeyEntry] = Field(default_factory=list)
+    tenants: dict[TenantName, _TenantEntry] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _unique(self) -> _TokensDocument:
+        for what, values in (
+            ("digest", [key.digest for key in self.keys]),
+            ("name", [key.name for key in self.keys if key.name is not None]),
+        ):
+            repeated = sorted({value for value in values if values.count(value) > 1})
+            if repeated:
+                raise ValueError(f"keys: the {what} {repeated[0]!r} is given more than once")
+        return self
+
+
+@dataclass(frozen=True)
+class TokensFile:
+    """A valid tokens file: who each digest speaks for, and each tenant's caps."""
+
+    principals: Mapping[str, Principal]
+    """By digest (`sha256:<hex>`)."""
+    limits: Mapping[str, TenantLimits]
+
+    def limits_for(self, tenant: str) -> TenantLimits:
+        return self.limits.get(tenant, NO_LIMITS)
+
+    @property
+    def tenants(self) -> frozenset[str]:
+        """Every tenant the file names (of a key or with caps)."""
+        return frozenset(p.tenant for p in self.principals.values()) | frozenset(self.limits)
+
+
+def load_tokens_file(path: Path) -> TokensFile:
+    """Read and check the whole file; TokensFileError says what is wrong (never a key)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise TokensFileError(f"cannot read the tokens file {path}: {error}") from error
+    return parse_tokens(text, source=str(path))
+
+
+def parse_tokens(text: str, *, source: str) -> TokensFile:
+    """The tokens file's content, checked; TokensFileError names `source` and the problem."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise TokensFileError(f"tokens file {source}: not valid TOML: {error}") from error
+    try:
+        document = _TokensDocument.model_validate(data)
+    except ValidationError as error:
+        raise TokensFileError(f"tokens file {source}: {_describe(error)}") from error
+    principals = {
+        key.digest: Principal(
+            tenant=key.tenant,
+            role=key.role,
+            key_name=key.name or key.digest[: len("sha256:") + UNNAMED_KEY_DIGEST_CHARS],
+        )
+        for key in document.keys
+    }
+    limits = {
+        tenant: TenantLimits(max_running=entry.max_running, max_queued=entry.max_queued)
+        for tenant, entry in document.tenants.items()
+    }
+    return TokensFile(principals=principals, limits=limits)
+
+
+# Clearer words than a regular expression for the fields people get wrong.
+_PATTERN_HINTS = {
+    "digest": "expected 'sha256:' and 64 lowercase hex digits (see `jobs-server hash-token`)",
+    "tenant": "expected 1 to 64 letters, digits, '_', '.' or '-'",
+    "name": "expected 1 to 64 letters, digits, '_', '.', ':', '@' or '-'",
+}
+
+
+def _describe(error: ValidationError) -> str:
+    """One clause per problem, each naming where it is (`keys[1].role: ...`); never the value
+    (a key pasted where its digest belongs must not reach a log)."""
+    problems = []
+    for detail in error.errors(include_url=False, include_input=False):
+        where = ""
+        loc = detail["loc"]
+        if "[key]" in loc:  # a bad table name: the problem is the name itself
+            loc = (*loc[: loc.index("[key]") - 1], repr(loc[loc.index("[key]") - 1]))
+        for part in loc:
+            where += f"[{part}]" if isinstance(part, int) else f"{'.' if where else ''}{part}"
+        message = detail["msg"]
+        if detail["type"] == "extra_forbidden":
+            message = "unknown field"
+        elif detail["type"] == "value_error":
+            message = message.removeprefix("Value error, ")
+        elif detail["type"] == "string_pattern_mismatch":
+            message = _PATTERN_HINTS.get(str(detail["loc"][-1]), message)
+            if detail["loc"][:1] == ("tenants",):
+                message = _PATTERN_HINTS["tenant"]
+        problems.append(f"{where or 'file'}: {message}")
+    return "; ".join(problems)
