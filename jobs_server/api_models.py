@@ -9,7 +9,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager.events import JobEvent
-from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY
+from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY, JobAttempt
+from jobs_server.manager.retries import (
+    MAX_EXIT_CODE,
+    MAX_RETRIES,
+    MAX_RETRY_EXIT_CODES,
+    MIN_EXIT_CODE,
+)
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -29,6 +35,12 @@ def _command(value: str) -> str:
     if not value.strip():
         raise ValueError("must not be blank")
     return value
+
+
+def _retried_exit_codes(codes: list[int]) -> list[int]:
+    if 0 in codes:
+        raise ValueError("0 is success, never retried: list non-zero exit codes")
+    return codes
 
 
 SubmissionId = Annotated[str, Field(pattern=SUBMISSION_ID_PATTERN), AfterValidator(_not_dot_path)]
@@ -81,6 +93,17 @@ class SubmitJobRequest(BaseModel):
     priority: Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY, strict=True)] = Field(
         0, description="Extension: a queued job's priority, higher first."
     )
+    max_retries: Annotated[int, Field(ge=0, le=MAX_RETRIES, strict=True)] | None = Field(
+        None, description="Extension: failed attempts retried after the first (null: 0)."
+    )
+    retry_on_exit_codes: (
+        Annotated[
+            list[Annotated[int, Field(ge=MIN_EXIT_CODE, le=MAX_EXIT_CODE, strict=True)]],
+            Field(min_length=1, max_length=MAX_RETRY_EXIT_CODES),
+            AfterValidator(_retried_exit_codes),
+        ]
+        | None
+    ) = Field(None, description="Extension: the exit codes retried (null: any non-zero).")
 
     @model_validator(mode="after")
     def _bounded_sizes(self) -> SubmitJobRequest:
@@ -106,6 +129,10 @@ class SubmitJobRequest(BaseModel):
             entrypoint_label_selector=self.entrypoint_label_selector or {},
             timeout_s=self.timeout_s,
             priority=self.priority,
+            max_retries=self.max_retries or 0,
+            retry_on_exit_codes=(
+                None if self.retry_on_exit_codes is None else tuple(self.retry_on_exit_codes)
+            ),
         )
 
 
@@ -170,6 +197,24 @@ class PackageResponse(BaseModel):
     uri: str
 
 
+class JobAttemptDetails(BaseModel):
+    """Extension: one run of a job's command (a job with retries has several)."""
+
+    start_time: int
+    end_time: int | None
+    exit_code: int | None
+    log_offset: int = Field(description="Byte offset in the job's log where its output begins.")
+
+    @classmethod
+    def from_attempt(cls, attempt: JobAttempt) -> JobAttemptDetails:
+        return cls(
+            start_time=attempt.start_time,
+            end_time=attempt.end_time,
+            exit_code=attempt.exit_code,
+            log_offset=attempt.log_offset,
+        )
+
+
 class JobDetails(BaseModel):
     """Ray's `JobDetails`: every field present, null where unknown."""
 
@@ -193,6 +238,9 @@ class JobDetails(BaseModel):
     entrypoint_memory: int | None
     entrypoint_resources: dict[str, float] | None
     timeout_s: float | None
+    max_retries: int
+    retry_on_exit_codes: list[int] | None
+    attempts: list[JobAttemptDetails]
     tenant: str = Field(description="Extension: the tenant whose key submitted the job.")
     priority: int
 
@@ -235,6 +283,11 @@ class JobDetails(BaseModel):
             entrypoint_memory=spec.entrypoint_memory,
             entrypoint_resources=spec.entrypoint_resources or None,
             timeout_s=spec.timeout_s,
+            max_retries=spec.max_retries,
+            retry_on_exit_codes=(
+                None if spec.retry_on_exit_codes is None else list(spec.retry_on_exit_codes)
+            ),
+            attempts=[JobAttemptDetails.from_attempt(attempt) for attempt in record.attempts],
             tenant=record.tenant,
             priority=spec.priority,
         )

@@ -201,6 +201,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         max_queued_jobs=settings.max_queued_jobs,
         # Read at each decision, so the caps of a tokens file re-read on SIGHUP apply at once.
         tenant_limits=app[KEY_RING_KEY].limits_for,
+        retry_backoff_s=settings.retry_backoff_s,
     )
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(connection.gcs_address)

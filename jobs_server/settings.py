@@ -73,6 +73,16 @@ class Settings(BaseSettings):
             " fails."
         ),
     )
+    retry_backoff_s: float = Field(
+        10.0,
+        ge=0,
+        le=300,
+        allow_inf_nan=False,
+        description=(
+            "Seconds before a failed job's first retry (its max_retries); each further retry"
+            " waits twice as long as the one before, at most 300 s."
+        ),
+    )
     shared_supervisors: int = Field(
         1,
         ge=0,

@@ -36,6 +36,7 @@ from tests.conftest import (
     wait_until,
 )
 from tests.test_logs import parse_sse
+from tests.test_retries import counted
 
 # Addresses of their own, so this cluster never meets the session's (127.0.0.2).
 HEAD_IP = "127.0.0.21"
@@ -391,6 +392,31 @@ async def test_a_pending_job_says_which_resources_it_waits_for(
                 assert response.status == 200
     for job_id in (too_big, holder, waiting):
         assert (await wait_for_job(http, job_id))["status"] == "STOPPED"
+
+
+async def test_retries_on_a_worker_append_to_the_heads_log_at_their_offsets(
+    http: aiohttp.ClientSession, server: Server, cluster: MultiNodeCluster
+) -> None:
+    """The attempts' offsets, measured in the worker's spool, are offsets of the head's file:
+    the server appends the spool's bytes there in order (a retry after the default backoff)."""
+    counter = cluster.tmp_dir / f"attempts-{uuid.uuid4().hex[:8]}"
+    burst = "if [ $n -eq 1 ]; then seq 1 200000; exit 3; fi; echo done"
+    job_id = await submit(
+        http,
+        entrypoint=counted(counter, burst),
+        entrypoint_resources={WORKER_RESOURCE: 1},
+        max_retries=1,
+    )
+    job = await wait_for_job(http, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    assert job["driver_info"]["node_ip_address"] == WORKER_IP
+    first = "attempt 1: début\n" + "".join(f"{i}\n" for i in range(1, 200001))
+    assert [(attempt["exit_code"], attempt["log_offset"]) for attempt in job["attempts"]] == [
+        (3, 0),
+        (0, len(first.encode())),
+    ]
+    head_log = (server.log_dir / f"job-driver-{job_id}.log").read_bytes()
+    assert head_log == (first + "attempt 2: début\ndone\n").encode()
 
 
 def _is_running(pid: int) -> bool:

@@ -141,6 +141,8 @@ async def test_a_valid_submit_reaches_the_manager_as_sent(
         "entrypoint_resources": {"custom": 1},
         "timeout_s": 30,
         "priority": -7,
+        "max_retries": 2,
+        "retry_on_exit_codes": [1, 3],
     }
     assert await submit(fake_client, **body) == "valid-1"
     spec = (await fake.get_job("valid-1")).spec
@@ -148,6 +150,7 @@ async def test_a_valid_submit_reaches_the_manager_as_sent(
         **body,
         "entrypoint_resources": {"custom": 1.0},
         "timeout_s": 30.0,
+        "retry_on_exit_codes": (1, 3),
     }
     job = await (await fake_client.get("/api/jobs/valid-1")).json()
     assert (job["status"], job["message"]) == ("PENDING", "Job is pending.")

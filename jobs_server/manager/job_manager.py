@@ -47,6 +47,7 @@ from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.recovery import Recovery
 from jobs_server.manager.retention import Retention, RetentionPolicy
+from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.runtime_envs import package_refs
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
@@ -112,6 +113,7 @@ class JobManager:
         max_running_jobs: int | None = None,
         max_queued_jobs: int | None = None,
         tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
+        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -142,6 +144,7 @@ class JobManager:
             log_dir=log_dir,
             stop_grace_s=stop_grace_s,
             head_node_id=self._head_node_id,
+            retry_backoff_s=retry_backoff_s,
         )
         self._watchers = JobWatchers(
             store=self._store,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from jobs_server.manager.drivers import driver_job_metadata
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.process import JOB_TOKEN_ENV_VAR, StopDeadline
 from jobs_server.manager.records import JobStatus
+from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 
 # Ray's driver reads its job config (runtime_env, metadata) from this variable, so tasks and
 # actors that the entrypoint starts inherit the job's runtime env.
@@ -45,6 +45,10 @@ class SupervisedJob(BaseModel):
     head_node_id: str | None = None
     """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
     log on its own node for the server to pull. None: this node."""
+    max_retries: int = 0
+    retry_on_exit_codes: tuple[int, ...] | None = None
+    retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
+    """The wait before the first retry (doubled for each further one; see retries.py)."""
 
 
 @dataclass
@@ -122,17 +126,10 @@ def end_grace_within(run: JobRun, grace_period_s: float) -> StopDeadline:
     return run.stop_deadline
 
 
-def failure_message(exit_code: int, log_tail: str) -> str:
-    """What a failed job's status says: how its command ended, and its last output."""
-    if exit_code < 0:
-        try:
-            signal_name = signal.Signals(-exit_code).name
-        except ValueError:
-            signal_name = str(-exit_code)
-        how = f"was killed by signal {signal_name}"
-    else:
-        how = f"failed with exit code {exit_code}"
-    message = f"Job entrypoint command {how}."
+def failure_message(exit_code: int, log_tail: str, why_it_ended: str = "") -> str:
+    """What a failed job's status says: how its command ended (`why_it_ended` adds to it, e.g.
+    ' after 3 attempts (no retries left)'), and its last output."""
+    message = f"Job entrypoint command {describe_exit(exit_code)}{why_it_ended}."
     if log_tail:
         message += f" Last output:\n{log_tail}"
     return message

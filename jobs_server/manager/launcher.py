@@ -10,6 +10,7 @@ from typing import Any
 from jobs_server.manager.job_run import SupervisedJob
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
+from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.supervisors import Supervisors
 
 
@@ -25,12 +26,19 @@ class Launcher:
     """Starts a job's run in the supervisor its record names."""
 
     def __init__(
-        self, *, supervisors: Supervisors, log_dir: Path, stop_grace_s: float, head_node_id: str
+        self,
+        *,
+        supervisors: Supervisors,
+        log_dir: Path,
+        stop_grace_s: float,
+        head_node_id: str,
+        retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
     ) -> None:
         self._supervisors = supervisors
         self._log_dir = log_dir
         self._stop_grace_s = stop_grace_s
         self._head_node_id = head_node_id
+        self._retry_backoff_s = retry_backoff_s
 
     async def launch(self, record: JobRecord) -> Launch:
         """Create (or find) the record's supervisor and ask it to run the job."""
@@ -62,4 +70,7 @@ class Launcher:
             stop_grace_s=self._stop_grace_s,
             timeout_s=spec.timeout_s,
             head_node_id=self._head_node_id,
+            max_retries=spec.max_retries,
+            retry_on_exit_codes=spec.retry_on_exit_codes,
+            retry_backoff_s=self._retry_backoff_s,
         ).model_dump(mode="json")

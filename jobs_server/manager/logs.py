@@ -206,16 +206,19 @@ def complete_utf8_length(data: bytes) -> int:
     return len(data)  # only continuation bytes: invalid anyway, nothing to wait for
 
 
-def read_log_tail(path: Path, max_bytes: int = LOG_TAIL_FOR_MESSAGE_BYTES) -> str:
-    """The last `max_bytes` of a log as text, starting at a line boundary when there is one."""
+def read_log_tail(
+    path: Path, max_bytes: int = LOG_TAIL_FOR_MESSAGE_BYTES, *, start_offset: int = 0
+) -> str:
+    """The last `max_bytes` of a log (none before `start_offset`) as text, starting at a line
+    boundary when there is one."""
     try:
         with path.open("rb") as log_file:
             size = log_file.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
+            start = max(start_offset, size - max_bytes)
             log_file.seek(start)
             data = log_file.read()
     except FileNotFoundError:
         return ""
-    if start > 0 and b"\n" in data[:-1]:
+    if start > start_offset and b"\n" in data[:-1]:
         data = data[data.index(b"\n") + 1 :]
     return data.decode("utf-8", errors="replace")

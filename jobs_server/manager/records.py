@@ -58,7 +58,9 @@ def now_ms() -> int:
 class JobSpec(BaseModel):
     """What a client asked for: validated once at the boundary, then never changed."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # The boundary (api_models) refuses unknown fields; here a field that a newer server added
+    # is ignored, so a supervisor that runs an older server's code can still read the record.
+    model_config = ConfigDict(frozen=True, extra="ignore")
 
     entrypoint: str
     submission_id: str
@@ -71,6 +73,10 @@ class JobSpec(BaseModel):
     entrypoint_label_selector: dict[str, str] = Field(default_factory=dict)
     timeout_s: float | None = None
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+    max_retries: int = 0
+    """Failed attempts retried after the first (see manager/retries.py)."""
+    retry_on_exit_codes: tuple[int, ...] | None = None
+    """The exit codes that are retried; None: any non-zero one."""
 
     def needs_own_supervisor(self) -> bool:
         """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
@@ -92,6 +98,18 @@ class JobSpec(BaseModel):
             if amount:
                 requested[name] = float(amount)
         return requested
+
+
+class JobAttempt(BaseModel):
+    """One run of the job's command: when it ran, how it ended, and where its output begins in
+    the job's log (its byte offset), so that a reader can split the log by attempt."""
+
+    model_config = ConfigDict(frozen=True)
+
+    start_time: int
+    end_time: int | None = None
+    exit_code: int | None = None
+    log_offset: int
 
 
 class JobRecord(BaseModel):
@@ -116,6 +134,9 @@ class JobRecord(BaseModel):
     run_id: str = ""
     """Unique per submission: a deleted and resubmitted id is another run, and nothing of the
     old run (its end, its supervisor) applies to the new one."""
+    attempts: tuple[JobAttempt, ...] = ()
+    """The command's attempts so far, in order; written by the supervisor as each begins and
+    ends."""
     tenant: str = DEFAULT_TENANT
     """Whose job it is: the tenant of the key that submitted it."""
 

@@ -5,46 +5,39 @@ runtime env or resources of their own (so they start in milliseconds), and a job
 supervisor of its own. A supervisor writes RUNNING and the terminal status itself (it knows
 first); the manager writes only what a supervisor cannot report (it never started, it died). Its
 jobs share its fate: a guardian process kills them if the supervisor dies.
+
+This module is the actor's API and what its jobs share (the guardian, the spools, reaping); one
+job's run, attempt after attempt, is attempts.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
 import secrets
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 
-from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.attempts import JobAttempts
 from jobs_server.manager.containment import Containment, detect_containment
 from jobs_server.manager.guardian import start_guardian
 from jobs_server.manager.job_run import (
-    JOB_TIMEOUT_ERROR_TYPE,
     NEVER_STARTED_MESSAGE,
-    CommandEnd,
     JobRun,
     SupervisedJob,
-    driver_env,
     end_grace_within,
-    failure_message,
 )
 from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
-from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S, read_spool_chunk, spool_path
-from jobs_server.manager.logs import read_log_tail
-from jobs_server.manager.process import (
-    become_child_subreaper,
-    has_exited,
-    kill_job_processes,
-    reap_orphans,
-    start_entrypoint,
-    stop_job_processes,
-)
-from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus
+from jobs_server.manager.log_shipping import read_spool_chunk, spool_path
+from jobs_server.manager.process import become_child_subreaper, reap_orphans
+from jobs_server.manager.records import JobStatus
 from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -98,7 +91,7 @@ class JobSupervisor:
             run = JobRun(job=job, log_path=self._log_path_here(job))
             run.called_off = self._called_off.pop(job.submission_id, None) == job.run_id
             self._runs[job.submission_id] = run
-            run.task = asyncio.create_task(self._run(run))
+            run.task = asyncio.create_task(JobAttempts(run, self).run())
             run.task.add_done_callback(functools.partial(self._forget_run, run))
             arrival = self._arrivals.pop(job.submission_id, None)
             if arrival is not None:
@@ -114,14 +107,14 @@ class JobSupervisor:
         run = self._runs.get(submission_id)
         if run is not None and run.task is not None and run_id in (None, run.job.run_id):
             return await asyncio.shield(run.task)
-        status = (await self._job_store().get(submission_id, run_id)).status
+        status = (await self.job_store().get(submission_id, run_id)).status
         return status if status.is_terminal() else None
 
     async def wait_started(self, submission_id: str) -> bool:
         """Return once the job's command has started, or the job ended without starting; True if
         its log is spooled here for the server to pull (`read_spooled_log`)."""
         run = self._runs.get(submission_id)
-        if run is None and (await self._job_store().get(submission_id)).status is JobStatus.PENDING:
+        if run is None and (await self.job_store().get(submission_id)).status is JobStatus.PENDING:
             # Pending and not here: `run_job` is on its way (or arrived while the record was read).
             if submission_id not in self._runs:
                 await self._arrivals.setdefault(submission_id, asyncio.Event()).wait()
@@ -173,7 +166,7 @@ class JobSupervisor:
             # `run_job` has not brought it yet (or waits behind an earlier run of the id).
             self._called_off[submission_id] = run_id
             return (
-                await self._job_store().update(
+                await self.job_store().update(
                     submission_id, run_id, status=JobStatus.STOPPED, message=NEVER_STARTED_MESSAGE
                 )
             ).status
@@ -188,7 +181,7 @@ class JobSupervisor:
             await asyncio.wait({run.task, exited}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             exited.cancel()
-        return (await self._job_store().get(submission_id, run_id)).status
+        return (await self.job_store().get(submission_id, run_id)).status
 
     def _forget_run(self, run: JobRun, _: object) -> None:
         if self._runs.get(run.job.submission_id) is run:
@@ -200,7 +193,13 @@ class JobSupervisor:
             return job.log_path
         return spool_path(self._kv_namespace, job.log_path.name)
 
-    def _job_store(self) -> JobStore:
+    # What the attempts of a job (attempts.py) need of their supervisor: `AttemptHost`.
+
+    @property
+    def supervisor_token(self) -> str:
+        return self._supervisor_token
+
+    def job_store(self) -> JobStore:
         if self._store is None:
             gcs_address = ray.get_runtime_context().gcs_address
             # A status must reach the store even across a GCS restart (fault tolerance).
@@ -209,106 +208,7 @@ class JobSupervisor:
             )
         return self._store
 
-    async def _run(self, run: JobRun) -> JobStatus:
-        try:
-            return await self._start_and_wait(run)
-        except JobNotFoundError:
-            return JobStatus.STOPPED  # deleted before it could start
-        finally:
-            run.started.set()
-
-    async def _start_and_wait(self, run: JobRun) -> JobStatus:
-        job, store = run.job, self._job_store()
-        record = await store.get(job.submission_id, job.run_id)
-        if record.status.is_terminal() or record.run_id != job.run_id:
-            return record.status
-        containment = await self._prepare_processes()
-        if not self._may_start(run):
-            return await self._record_never_started(run)
-        job_token = secrets.token_hex(16)
-        self._starting += 1
-        if run.log_path != job.log_path:
-            # A spool left by an earlier job of the same id (deleted, then submitted again)
-            # must not prefix this one's log.
-            run.log_path.unlink(missing_ok=True)
-            self._spools[job.submission_id] = run.log_path
-        try:
-            process = await start_entrypoint(
-                job.entrypoint,
-                log_path=run.log_path,
-                env=driver_env(job, job_token, self._supervisor_token),
-                containment=containment,
-            )
-            run.pid = process.pid
-        except OSError as error:
-            self._spools.pop(job.submission_id, None)
-            failed = await store.update(
-                job.submission_id,
-                job.run_id,
-                status=JobStatus.FAILED,
-                error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_START_ERROR,
-                message=f"Job entrypoint command could not start: {error}",
-            )
-            return failed.status
-        finally:
-            self._starting -= 1
-        # From the moment the command runs, a stop (or the timeout) acts on it at once, also
-        # while RUNNING is being written: that write may take long on a busy GCS.
-        ending = asyncio.create_task(self._run_until_end(run, process, job_token, containment))
-        try:
-            record = await store.update(
-                job.submission_id,
-                job.run_id,
-                status=JobStatus.RUNNING,
-                message="Job is currently running.",
-                supervisor_actor_id=ray.get_runtime_context().get_actor_id(),
-                driver_pid=process.pid,
-                driver_node_id=ray.get_runtime_context().get_node_id(),
-                driver_node_ip=ray.util.get_node_ip_address(),
-            )
-            run.started.set()
-            if record.status.is_terminal():
-                # Ended (by the server) while the command was starting: it must not run on.
-                end_grace_within(run, 0)
-                run.stop_requested.set()
-                await ending
-                run.exited.set()
-                return record.status
-            return (await self._record_command_end(run, await ending)).status
-        finally:
-            ending.cancel()
-            # Whatever the command left behind ends with it (in a PID namespace, the kernel
-            # saw to it; this finds a namespace whose launcher was killed).
-            await kill_job_processes(job_token, other_roots=self._other_roots(run))
-            if not self._starting:
-                reap_orphans(keep=self._running_pids())
-
-    def _may_start(self, run: JobRun) -> bool:
-        """Whether the run's command may start now; if so, from now on calling the job off
-        stops the command instead (no await may come between this and the start)."""
-        if run.called_off:
-            return False
-        run.start_began = True
-        return True
-
-    async def _record_never_started(self, run: JobRun) -> JobStatus:
-        record = await self._job_store().update(
-            run.job.submission_id,
-            run.job.run_id,
-            status=JobStatus.STOPPED,
-            message=NEVER_STARTED_MESSAGE,
-        )
-        return record.status
-
-    def _running_pids(self) -> set[int]:
-        """Command pids that asyncio still waits for; reaping them here would steal their status."""
-        return {run.pid for run in self._runs.values() if run.pid is not None}
-
-    def _other_roots(self, run: JobRun) -> frozenset[int]:
-        """The commands of this supervisor's other jobs: not orphans of `run`'s."""
-        return frozenset(self._running_pids() - {run.pid} if run.pid is not None else ())
-
-    async def _prepare_processes(self) -> Containment:
+    async def prepare_processes(self) -> Containment:
         """Before the first job: start the guardian, learn what contains a job on this node,
         then become a subreaper (in this order: see `start_guardian`, `detect_containment`)."""
         async with self._preparing:
@@ -318,82 +218,32 @@ class JobSupervisor:
                 become_child_subreaper()
             return self._containment
 
-    async def _run_until_end(
-        self,
-        run: JobRun,
-        process: asyncio.subprocess.Process,
-        job_token: str,
-        containment: Containment,
-    ) -> CommandEnd:
-        """Wait for the command to exit, or stop it when asked to (or at its timeout)."""
-        job = run.job
-        exited = asyncio.ensure_future(process.wait())
-        stop_requested = asyncio.ensure_future(run.stop_requested.wait())
-        await asyncio.wait(
-            {exited, stop_requested}, timeout=job.timeout_s, return_when=asyncio.FIRST_COMPLETED
-        )
-        stop_requested.cancel()
-        if exited.done() or has_exited(process):
-            # It ended on its own, if only just before the stop: its end is its exit's.
-            exit_code = await exited
-            run.exited.set()
-            return CommandEnd(exit_code=exit_code, stopped=False)
-        exit_code = await stop_job_processes(
-            process,
-            job_token=job_token,
-            # A stop set it; a timeout did not.
-            deadline=run.stop_deadline or end_grace_within(run, job.stop_grace_s),
-            containment=containment,
-            other_roots=self._other_roots(run),
-        )
-        run.exited.set()  # and everything of it: a call-off may answer
-        return CommandEnd(exit_code=exit_code, stopped=True)
+    def spool(self, run: JobRun) -> None:
+        self._spools[run.job.submission_id] = run.log_path
 
-    async def _record_command_end(self, run: JobRun, end: CommandEnd) -> JobRecord:
-        if not end.stopped:
-            return await self._record_exit(run, end.exit_code)
-        if run.stop_requested.is_set():
-            return await self._record_end(
-                run,
-                status=JobStatus.STOPPED,
-                message="Job was intentionally stopped.",
-                driver_exit_code=end.exit_code,
-            )
-        return await self._record_end(
-            run,
-            status=JobStatus.FAILED,
-            error_type=JOB_TIMEOUT_ERROR_TYPE,
-            message=f"Job exceeded its timeout of {run.job.timeout_s:g} s and was stopped.",
-            driver_exit_code=end.exit_code,
-        )
+    def unspool(self, run: JobRun) -> None:
+        self._spools.pop(run.job.submission_id, None)
 
-    async def _record_exit(self, run: JobRun, exit_code: int) -> JobRecord:
-        if exit_code == 0:
-            return await self._record_end(
-                run,
-                status=JobStatus.SUCCEEDED,
-                message="Job finished successfully.",
-                driver_exit_code=0,
-            )
-        return await self._record_end(
-            run,
-            status=JobStatus.FAILED,
-            error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,
-            message=failure_message(exit_code, read_log_tail(run.log_path)),
-            driver_exit_code=exit_code,
-        )
+    def is_spooled(self, run: JobRun) -> bool:
+        return run.job.submission_id in self._spools
 
-    async def _record_end(self, run: JobRun, **changes: Any) -> JobRecord:
-        """Write the job's terminal status, once the server has pulled a spooled log to its end:
-        whoever sees the job end finds its whole log on the head node."""
-        run.exited.set()
-        if run.job.submission_id in self._spools:
-            try:
-                await asyncio.wait_for(run.log_drained.wait(), timeout=LOG_DRAIN_TIMEOUT_S)
-            except TimeoutError:
-                logger.warning(
-                    "the server did not pull the log of job %s; it stays in %s",
-                    run.job.submission_id,
-                    run.log_path,
-                )
-        return await self._job_store().update(run.job.submission_id, run.job.run_id, **changes)
+    @contextlib.contextmanager
+    def command_starting(self) -> Iterator[None]:
+        self._starting += 1
+        try:
+            yield
+        finally:
+            self._starting -= 1
+
+    def other_roots(self, run: JobRun) -> frozenset[int]:
+        """The commands of this supervisor's other jobs: not orphans of `run`'s."""
+        return frozenset(self._running_pids() - {run.pid} if run.pid is not None else ())
+
+    def reap_orphans(self) -> None:
+        """Reap the orphans that have exited, unless a command is starting."""
+        if not self._starting:
+            reap_orphans(keep=self._running_pids())
+
+    def _running_pids(self) -> set[int]:
+        """Command pids that asyncio still waits for; reaping them here would steal their status."""
+        return {run.pid for run in self._runs.values() if run.pid is not None}
