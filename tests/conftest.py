@@ -355,7 +355,11 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
 def start_jobs_server(
     args: list[str], log_path: Path, env: dict[str, str] | None = None
 ) -> subprocess.Popen[bytes]:
-    """`python -m jobs_server serve ARGS` in a session of its own, its output appended to a file."""
+    """`python -m jobs_server serve ARGS` in a session of its own, its output appended to a file.
+    Without a state dir of its own the server gets `<log_path's dir>/state`: a test never
+    touches the user's history (~/.local/state/jobs-server), nor another test's."""
+    if "--state-dir" not in args and "JOBS_SERVER_STATE_DIR" not in (env or os.environ):
+        args = [*args, "--state-dir", str(log_path.parent / "state")]
     with log_path.open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "jobs_server", "serve", *args],
