@@ -38,11 +38,11 @@ from jobs_server.manager import (
 )
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.job_manager import _validate_runtime_env
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
+from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 FAKE_CLUSTER_INFO = ClusterInfo(
@@ -166,7 +166,7 @@ class FakeJobManager:
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Check the runtime env as the real manager does, then record the job PENDING."""
-        await _validate_runtime_env(spec.runtime_env, self.packages)
+        await validate_runtime_env(spec.runtime_env, self.packages)
         if spec.submission_id in self._records:
             raise DuplicateJobError(spec.submission_id)
         record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.", tenant=tenant)

@@ -7,7 +7,7 @@ from jobs_server.manager.dashboard_registration import (
     registration_address,
 )
 from jobs_server.manager.drivers import RayDriver, RayDrivers
-from jobs_server.manager.job_manager import JobManager, JobPage, new_submission_id
+from jobs_server.manager.job_manager import JobManager, JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
 from jobs_server.manager.ray_cluster import (
@@ -20,6 +20,7 @@ from jobs_server.manager.ray_cluster import (
     watch_cluster,
 )
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
+from jobs_server.manager.submission_ids import new_submission_id
 
 __all__ = [
     "Archive",

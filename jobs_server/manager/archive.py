@@ -17,11 +17,16 @@ import logging
 import sqlite3
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError
+from jobs_server.manager import archive_queries as queries
+
+# Re-exported: the archive's callers name them with it.
+from jobs_server.manager.archive_queries import STREAM_BATCH_ROWS as STREAM_BATCH_ROWS
+from jobs_server.manager.archive_queries import JobQuery as JobQuery
+from jobs_server.manager.archive_queries import UnknownCursorError as UnknownCursorError
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.group_commit import GroupCommit
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
@@ -31,8 +36,6 @@ logger = logging.getLogger(__name__)
 ARCHIVE_FILE_NAME = "jobs.db"
 # Events kept: the newest this many (a client further behind lists again, as after a 410).
 DEFAULT_MAX_EVENTS = 100_000
-# Rows read per batch when the whole list is streamed.
-STREAM_BATCH_ROWS = 500
 
 _T = TypeVar("_T")
 
@@ -78,31 +81,6 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX jobs_tenant_status ON jobs (tenant, status);
     """,
 )
-
-_TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
-# Named, not "NOT IN terminal": only an IN list uses the status index (a full scan of a long
-# history took 2.5 s of every start).
-_UNFINISHED = tuple(status.value for status in JobStatus if not status.is_terminal())
-
-
-@dataclass(frozen=True)
-class JobQuery:
-    """A filtered, ordered page of the history."""
-
-    statuses: frozenset[JobStatus] | None = None
-    submitted_after: int | None = None
-    """Unix ms, exclusive."""
-    submitted_before: int | None = None
-    """Unix ms, exclusive."""
-    metadata: tuple[tuple[str, str], ...] = ()
-    """Exact matches, all of them."""
-    descending: bool = False
-    tenant: str | None = None
-    """Only this tenant's jobs; None: every tenant's."""
-
-
-class UnknownCursorError(Exception):
-    """The `after` job of a page is not in the archive."""
 
 
 class Archive:
@@ -331,80 +309,34 @@ class Archive:
             (self._max_events,),
         )
 
-    # -- reads ------------------------------------------------------------------------------
+    # -- reads (archive_queries.py) --------------------------------------------------------
+
+    async def _read(self, read: Callable[..., _T], *args: Any) -> _T:
+        """`read(connection, *args)` on the archive's thread."""
+        return await self._run(lambda: read(self._conn(), *args))
 
     async def get(self, submission_id: str) -> JobRecord | None:
-        return await self._run(self._get, submission_id)
-
-    def _get(self, submission_id: str) -> JobRecord | None:
-        row = (
-            self._conn()
-            .execute("SELECT record FROM jobs WHERE submission_id = ?", (submission_id,))
-            .fetchone()
-        )
-        return None if row is None else JobRecord.model_validate_json(row[0])
+        return await self._read(queries.get_job, submission_id)
 
     async def count_by_status(self) -> dict[JobStatus, int]:
         """How many jobs of each status (one scan of the status index, no record read)."""
-        return await self._run(self._count_by_status)
-
-    def _count_by_status(self) -> dict[JobStatus, int]:
-        rows = self._conn().execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")
-        return {JobStatus(status): count for status, count in rows.fetchall()}
+        return await self._read(queries.count_by_status)
 
     async def count_by_tenant(self, tenant: str | None = None) -> dict[str, dict[JobStatus, int]]:
         """How many jobs of each status, by tenant (only `tenant`'s, if given): one scan of
         the tenant index, no record read."""
-        return await self._run(self._count_by_tenant, tenant)
-
-    def _count_by_tenant(self, tenant: str | None) -> dict[str, dict[JobStatus, int]]:
-        sql, parameters = "SELECT tenant, status, COUNT(*) FROM jobs", []
-        if tenant is not None:
-            sql, parameters = sql + " WHERE tenant = ?", [tenant]
-        counts: dict[str, dict[JobStatus, int]] = {}
-        for row_tenant, status, count in self._conn().execute(
-            sql + " GROUP BY tenant, status", parameters
-        ):
-            counts.setdefault(row_tenant, {})[JobStatus(status)] = count
-        return counts
+        return await self._read(queries.count_by_tenant, tenant)
 
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
-        return await self._run(self._unfinished)
-
-    def _unfinished(self) -> list[JobRecord]:
-        rows = (
-            self._conn()
-            .execute("SELECT record FROM jobs WHERE status IN (?, ?) ORDER BY seq", _UNFINISHED)
-            .fetchall()
-        )
-        return [JobRecord.model_validate_json(text) for (text,) in rows]
+        return await self._read(queries.unfinished_jobs)
 
     async def page(
         self, query: JobQuery, *, after: str | None = None, limit: int | None = None
     ) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs matching `query` after the job `after` (UnknownCursorError if
         it is not here), and whether more follow."""
-        return await self._run(self._page, query, after, limit)
-
-    def _seq_of(self, after: str, tenant: str | None = None) -> int:
-        # A cursor of another tenant's job is as unknown as one that never existed.
-        sql, parameters = "SELECT seq FROM jobs WHERE submission_id = ?", [after]
-        if tenant is not None:
-            sql, parameters = sql + " AND tenant = ?", [after, tenant]
-        row = self._conn().execute(sql, parameters).fetchone()
-        if row is None:
-            raise UnknownCursorError(after)
-        return int(row[0])
-
-    def _page(
-        self, query: JobQuery, after: str | None, limit: int | None
-    ) -> tuple[list[JobRecord], bool]:
-        after_seq = None if after is None else self._seq_of(after, query.tenant)
-        sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
-        rows = self._conn().execute(sql, parameters).fetchall()
-        more = limit is not None and len(rows) > limit
-        return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
+        return await self._read(queries.page_of_jobs, query, after, limit)
 
     async def stream(
         self, query: JobQuery, *, after: str | None = None
@@ -412,9 +344,9 @@ class Archive:
         """Every job matching `query` (after the job `after`: UnknownCursorError, raised before
         any batch, if it is not here), in batches of STREAM_BATCH_ROWS (keyset pagination: each
         batch is one indexed read, and no batch holds the database)."""
-        after_seq = None if after is None else await self._run(self._seq_of, after, query.tenant)
+        after_seq = None if after is None else await self._read(queries.seq_of, after, query.tenant)
         while True:
-            rows = await self._run(self._batch, query, after_seq)
+            rows = await self._read(queries.batch_of_jobs, query, after_seq)
             if not rows:
                 return
             after_seq = rows[-1][0]
@@ -422,114 +354,21 @@ class Archive:
             if len(rows) < STREAM_BATCH_ROWS:
                 return
 
-    def _batch(self, query: JobQuery, after_seq: int | None) -> list[tuple[int, str]]:
-        sql, parameters = _select(query, after_seq, STREAM_BATCH_ROWS)
-        return self._conn().execute(sql, parameters).fetchall()
-
     async def expired_jobs(
         self, *, older_than_ms: int | None, keep_newest: int | None, limit: int
     ) -> list[JobRecord]:
         """Finished jobs that retention may delete, oldest first, at most `limit`: those that
         ended before `older_than_ms`, and those beyond the newest `keep_newest` jobs (live
         ones count among the newest but are never returned)."""
-        return await self._run(self._expired, older_than_ms, keep_newest, limit)
-
-    def _expired(
-        self, older_than_ms: int | None, keep_newest: int | None, limit: int
-    ) -> list[JobRecord]:
-        db = self._conn()
-        clauses = []
-        parameters: list[Any] = list(_TERMINAL)
-        if older_than_ms is not None:
-            clauses.append("end_time < ?")
-            parameters.append(older_than_ms)
-        if keep_newest is not None:
-            row = db.execute(
-                "SELECT seq FROM jobs ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep_newest,)
-            ).fetchone()
-            if row is not None:
-                clauses.append("seq <= ?")
-                parameters.append(row[0])
-        if not clauses:
-            return []
-        parameters.append(limit)
-        rows = db.execute(
-            "SELECT record FROM jobs WHERE status IN (?, ?, ?) AND"
-            f" ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
-            parameters,
-        ).fetchall()
-        return [JobRecord.model_validate_json(text) for (text,) in rows]
+        return await self._read(queries.expired_jobs, older_than_ms, keep_newest, limit)
 
     # -- EventLog ---------------------------------------------------------------------------
 
     async def events_after(self, after_id: int, limit: int) -> list[JobEvent]:
-        return await self._run(self._events_after, after_id, limit)
-
-    def _events_after(self, after_id: int, limit: int) -> list[JobEvent]:
-        rows = (
-            self._conn()
-            .execute(
-                "SELECT id, type, submission_id, tenant, status, message, time, record"
-                " FROM events WHERE id > ? ORDER BY id LIMIT ?",
-                (after_id, limit),
-            )
-            .fetchall()
-        )
-        return [
-            JobEvent(
-                id=id_,
-                type=JobEventType(type_),
-                submission_id=submission_id,
-                tenant=tenant,
-                status=None if status is None else JobStatus(status),
-                message=message,
-                time=time,
-                record=None if record is None else JobRecord.model_validate_json(record),
-            )
-            for id_, type_, submission_id, tenant, status, message, time, record in rows
-        ]
+        return await self._read(queries.events_after, after_id, limit)
 
     async def event_id_range(self) -> tuple[int, int]:
-        return await self._run(self._event_id_range)
-
-    def _event_id_range(self) -> tuple[int, int]:
-        oldest, newest = self._conn().execute("SELECT MIN(id), MAX(id) FROM events").fetchone()
-        if newest is None:
-            return 0, 0
-        return oldest, newest
-
-
-def _select(query: JobQuery, after_seq: int | None, limit: int | None) -> tuple[str, list[Any]]:
-    """The SELECT of (seq, record) for `query`, after `after_seq` in the query's order."""
-    clauses: list[str] = []
-    parameters: list[Any] = []
-    if query.statuses is not None:
-        statuses = sorted(status.value for status in query.statuses)
-        clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
-        parameters += statuses
-    if query.tenant is not None:
-        clauses.append("tenant = ?")
-        parameters.append(query.tenant)
-    if query.submitted_after is not None:
-        clauses.append("start_time > ?")
-        parameters.append(query.submitted_after)
-    if query.submitted_before is not None:
-        clauses.append("start_time < ?")
-        parameters.append(query.submitted_before)
-    for key, value in query.metadata:
-        clauses.append("seq IN (SELECT seq FROM job_metadata WHERE key = ? AND value = ?)")
-        parameters += [key, value]
-    if after_seq is not None:
-        clauses.append("seq < ?" if query.descending else "seq > ?")
-        parameters.append(after_seq)
-    sql = "SELECT seq, record FROM jobs"
-    if clauses:
-        sql += " WHERE " + " AND ".join(clauses)
-    sql += " ORDER BY seq DESC" if query.descending else " ORDER BY seq"
-    if limit is not None:
-        sql += " LIMIT ?"
-        parameters.append(limit)
-    return sql, parameters
+        return await self._read(queries.event_id_range)
 
 
 def archive_path(state_dir: Path) -> Path:

@@ -4,31 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
-import secrets
-import string
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import ray
 from ray import cloudpickle
-from ray.exceptions import ActorDiedError, ActorUnavailableError
-from ray.runtime_env import RuntimeEnv
 
 import jobs_server
 from jobs_server.disk_guard import storage_errors_refused
 from jobs_server.errors import (
     InvalidJobOptionsError,
     InvalidRequestError,
-    InvalidRuntimeEnvError,
     JobNotFoundError,
     JobNotTerminalError,
-    PackageNotFoundError,
-    SupervisorUnreachableError,
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
@@ -38,7 +28,7 @@ from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.job_queue import Admission, JobQueue
-from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.log_watch import LogWatchers
@@ -48,10 +38,10 @@ from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_i
 from jobs_server.manager.recovery import Recovery
 from jobs_server.manager.retention import Retention, RetentionPolicy
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
-from jobs_server.manager.runtime_envs import package_refs
+from jobs_server.manager.runtime_envs import validate_runtime_env
+from jobs_server.manager.stopping import JobStopper
 from jobs_server.manager.store import JobStore
-from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
-from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.supervisors import Supervisors
 from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, TenantLimits
 from jobs_server.manager.watcher import JobWatchers
 
@@ -60,29 +50,6 @@ logger = logging.getLogger(__name__)
 # The supervisor's code travels with the actor, pickled by value, so a worker node needs nothing
 # but Ray: no jobs_server installed, no runtime env to build before a job can start.
 cloudpickle.register_pickle_by_value(jobs_server)
-
-SUBMISSION_ID_PREFIX = "raysubmit_"
-# How long a stop request waits for an unreachable supervisor before answering 503.
-STOP_UNREACHABLE_WAIT_S = 5.0
-# How long a stop of a PENDING job waits for its supervisor to call it off (a supervisor of the
-# job's own may not be up yet: then the server records the end and kills the actor).
-CALL_OFF_WAIT_S = 2.0
-# A shared supervisor is up, only maybe busy: the server waits longer rather than record a
-# "stopped before it started" that the supervisor may have made untrue meanwhile.
-SHARED_CALL_OFF_WAIT_S = 30.0
-_SUBMISSION_ID_ALPHABET = string.ascii_letters + string.digits
-
-
-def new_submission_id() -> str:
-    """A random id in Ray's format, e.g. raysubmit_4LamXRuQpYdSMg7J."""
-    # One read of the system's randomness (not one per letter: 5% of a burst's event loop),
-    # 112 bits read as 16 base-62 digits (95 bits): a bias of at most 62**16 / 2**112 (1e-5).
-    number = int.from_bytes(secrets.token_bytes(14))
-    letters = []
-    for _ in range(16):
-        number, digit = divmod(number, len(_SUBMISSION_ID_ALPHABET))
-        letters.append(_SUBMISSION_ID_ALPHABET[digit])
-    return SUBMISSION_ID_PREFIX + "".join(letters)
 
 
 @dataclass(frozen=True)
@@ -165,6 +132,23 @@ class JobManager:
             watchers=self._watchers,
             supervisors=self._supervisors,
         )
+        self._views = JobViews(
+            archive=archive,
+            store=self._store,
+            queue=self._queue,
+            cluster_resources=self._cluster_resources,
+        )
+        self._stopper = JobStopper(
+            store=self._store,
+            history=self._history,
+            archive=archive,
+            supervisors=self._supervisors,
+            dispatcher=self._dispatcher,
+            queue=self._queue,
+            watchers=self._watchers,
+            stop_grace_s=stop_grace_s,
+            read_record=self._views.record,
+        )
         self._retention = (
             None
             if retention is None
@@ -209,58 +193,13 @@ class JobManager:
             await self._retention.close()
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
-            await self._stop_all_jobs(self._stop_jobs_on_close_s)
+            await self._stopper.stop_all_jobs(self._stop_jobs_on_close_s)
         await self._watchers.close()
-
-    async def _stop_all_jobs(self, timeout_s: float) -> None:
-        """Record every live job STOPPED (the end key's put-if-absent: a job that ended first
-        keeps its end), ask its supervisor to stop it (SIGTERM, grace, SIGKILL), and wait for
-        the watchers, at most `timeout_s`."""
-        message = (
-            "The job was stopped because the server shut down (in embedded mode its Ray "
-            "instance stops with it)."
-        )
-        # Queued jobs never started: they stay queued, for the next server to run.
-        live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
-        grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
-
-        async def stop(record: JobRecord) -> None:
-            try:
-                ended = await self._store.update(
-                    record.submission_id, record.run_id, status=JobStatus.STOPPED, message=message
-                )
-                await self._history.archive_end(ended)
-                supervisor = await asyncio.to_thread(
-                    self._supervisors.find, record.supervisor_name or ""
-                )
-                if supervisor is not None:
-                    await supervisor.stop_job.remote(record.submission_id, grace_s)
-            except Exception:
-                logger.warning(
-                    "stopping job %s at shutdown failed", record.submission_id, exc_info=True
-                )
-
-        if live:
-            logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
-            deadline = time.monotonic() + timeout_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    asyncio.gather(*(stop(record) for record in live)), timeout=timeout_s
-                )
-            # Their supervisors end the processes (SIGTERM, grace, SIGKILL) before Ray stops.
-            await self._watchers.wait(deadline - time.monotonic())
-        # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
-        for record in await self._archive.unfinished():
-            if record.submission_id in self._queue:
-                continue
-            await self._archive.update(
-                record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
-            )
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at
         once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
-        await _validate_runtime_env(spec.runtime_env, self._packages)
+        await validate_runtime_env(spec.runtime_env, self._packages)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
         return await asyncio.shield(self._record_and_hand_over(spec, tenant))
@@ -307,17 +246,7 @@ class JobManager:
         return record
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
-        return await self._with_wait_message(await self._record(submission_id, tenant))
-
-    async def _record(self, submission_id: str, tenant: str | None = None) -> JobRecord:
-        """The job as it is: its archived row, or for a live one what the KV says now. A job
-        of another tenant than `tenant` (None: any) is not found, as an unknown id is."""
-        archived = await self._archive.get(submission_id)
-        if archived is None or not _in_scope(archived, tenant):
-            raise JobNotFoundError(submission_id)
-        if archived.status.is_terminal():
-            return archived
-        return (await self._store.current([archived])).get(submission_id, archived)
+        return await self._views.with_wait_message(await self._views.record(submission_id, tenant))
 
     async def list_jobs(
         self,
@@ -330,12 +259,12 @@ class JobManager:
         """Jobs in submission order (newest first with `query.descending`): those of `tenant`
         (None: every tenant) matching `query`, after the job `after`, at most `limit` of them;
         `next_after` is the cursor of the next page, if there is one."""
-        query = _scoped(query, tenant)
+        query = scoped(query, tenant)
         try:
             records, more = await self._archive.page(query, after=after, limit=limit)
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
-        records = await self._as_they_are(records)
+        records = await self._views.as_they_are(records)
         next_after = records[-1].submission_id if more and records else None
         return JobPage(records=records, next_after=next_after)
 
@@ -350,8 +279,8 @@ class JobManager:
         the archive one at a time; InvalidRequestError for an unknown `after`, before the first
         batch."""
         try:
-            async for batch in self._archive.stream(_scoped(query, tenant), after=after):
-                yield await self._as_they_are(batch)
+            async for batch in self._archive.stream(scoped(query, tenant), after=after):
+                yield await self._views.as_they_are(batch)
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
 
@@ -366,27 +295,6 @@ class JobManager:
         record is read."""
         return await count_jobs_by_tenant(self._archive, self._store, tenant, queued=self._queue)
 
-    async def _as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
-        """Live rows overlaid with what the KV says now (the archive learns a status a moment
-        after the KV): one KV round trip per batch, none for a batch of finished jobs."""
-        if all(record.status.is_terminal() for record in records):
-            return records
-        # Queued jobs are not in the KV yet.
-        live = [
-            record
-            for record in records
-            if not record.status.is_terminal() and record.submission_id not in self._queue
-        ]
-        try:
-            current = await self._store.current(live) if live else {}
-        except Exception:
-            logger.warning("reading live jobs from the KV failed", exc_info=True)
-            current = {}
-        return [
-            await self._with_wait_message(current.get(record.submission_id, record))
-            for record in records
-        ]
-
     async def stop_job(
         self,
         submission_id: str,
@@ -395,103 +303,12 @@ class JobManager:
         tenant: str | None = None,
     ) -> bool:
         """Ask a job (of `tenant`) to stop; return False if it had already ended."""
-        record = await self._record(submission_id, tenant)
-        if record.status.is_terminal():
-            return False
-        if record.status is JobStatus.PENDING:
-            # Queued (or being handed over): the queue stops it before its command starts.
-            stopped = await self._dispatcher.stop_before_start(record)
-            if stopped is not None:
-                return stopped
-            record = await self._record(submission_id)
-            if record.status.is_terminal():
-                return False
-        name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
-        supervisor = await asyncio.to_thread(self._supervisors.find, name)
-        if record.status is JobStatus.RUNNING and supervisor is not None:
-            await self._ask_to_stop(record, supervisor, grace_period_s)
-            return True
-        # PENDING here, but the command may have started since: only its supervisor knows. It
-        # calls the job off (the command never starts) or stops it, and answers once nothing
-        # of the job runs; the end it recorded in the KV is archived now, so a read right after
-        # the stop sees it.
-        if supervisor is not None and await self._call_off(record, supervisor):
-            await self._history.learn(record)
-            return True
-        # No supervisor answered (its own one is not up yet, or it is gone): the command has
-        # not started. Compare-and-set: if the job ended (or started and was stopped) first,
-        # that stays; a supervisor that starts it right now finds the record terminal and
-        # stops it.
-        try:
-            ended = await self._store.update(
-                submission_id,
-                record.run_id,
-                status=JobStatus.STOPPED,
-                message=NEVER_STARTED_MESSAGE,
-            )
-        except JobNotFoundError:
-            # The run left the KV meanwhile: it ended (a late call-off, or its command), its end
-            # was archived and its KV entries forgotten. The archive says how it ended.
-            stored = await self._record(submission_id)
-            if stored.run_id != record.run_id or not stored.status.is_terminal():
-                raise
-            return stored.status is JobStatus.STOPPED
-        await self._history.archive_end(ended)
-        if supervisor is not None and is_dedicated(name):
-            await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
-        elif supervisor is not None:
-            await supervisor.stop_job.remote(submission_id, 0)
-        return True
-
-    async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
-        """Have the supervisor call off a job it may be starting; True once it has recorded
-        the end and nothing of the job runs, False if it did not answer in time."""
-        name = record.supervisor_name or ""
-        # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
-        # it ends with its actor, and its outcome is then read and dropped.
-        call = asyncio.ensure_future(
-            supervisor.call_off.remote(record.submission_id, record.run_id)
-        )
-        call.add_done_callback(lambda done: done.cancelled() or done.exception())
-        answered, _ = await asyncio.wait(
-            {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S
-        )
-        if not answered:
-            return False
-        try:
-            call.result()
-        except (ActorDiedError, ActorUnavailableError):
-            return False
-        return True
-
-    async def _ask_to_stop(
-        self, record: JobRecord, supervisor: Any, grace_period_s: float | None
-    ) -> None:
-        """Ask a running job's supervisor to stop it, waiting a little for one that cannot be
-        reached (or does not answer); a supervisor that died took the job's processes with it."""
-        deadline = time.monotonic() + STOP_UNREACHABLE_WAIT_S
-        while True:
-            try:
-                await asyncio.wait_for(
-                    supervisor.stop_job.remote(record.submission_id, grace_period_s),
-                    timeout=max(0.0, deadline - time.monotonic()),
-                )
-                return
-            except ActorDiedError:
-                return  # its watcher records how the job ended
-            except (ActorUnavailableError, TimeoutError) as error:
-                if time.monotonic() >= deadline:
-                    raise SupervisorUnreachableError(
-                        f"The supervisor of job {record.submission_id!r} on node "
-                        f"{record.driver_node_id} cannot be reached now (its node may be "
-                        "failing); the job was not asked to stop. Try again."
-                    ) from error
-                await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+        return await self._stopper.stop_job(submission_id, grace_period_s, tenant)
 
     async def delete_job(self, submission_id: str, *, tenant: str | None = None) -> None:
         """Forget a job (of `tenant`) that has ended: its record, in the archive and the KV,
         and its log."""
-        record = await self._record(submission_id, tenant)
+        record = await self._views.record(submission_id, tenant)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)
         with storage_errors_refused("a delete"):
@@ -499,7 +316,7 @@ class JobManager:
 
     async def _delete_expired(self, expired: JobRecord) -> bool:
         """Retention's delete: the run `expired` only, if it is still there and has ended."""
-        record = await self._record(expired.submission_id)
+        record = await self._views.record(expired.submission_id)
         if record.run_id != expired.run_id or not record.status.is_terminal():
             return False
         await self._forget(record)
@@ -560,10 +377,10 @@ class JobManager:
         away; its tenant is in the archive, on this disk."""
         if tenant is not None:
             archived = await self._archive.get(submission_id)
-            if archived is None or not _in_scope(archived, tenant):
+            if archived is None or not in_scope(archived, tenant):
                 raise JobNotFoundError(submission_id)
         elif self._watchers.has_ended(submission_id) is None:
-            await self._record(submission_id)
+            await self._views.record(submission_id)
 
     async def _job_has_ended(self, submission_id: str) -> bool:
         # A watched job has ended when its watcher has: in memory, so a hundred followers cost
@@ -572,46 +389,6 @@ class JobManager:
         if watched_has_ended is not None:
             return watched_has_ended
         try:
-            return (await self._record(submission_id)).status.is_terminal()
+            return (await self._views.record(submission_id)).status.is_terminal()
         except JobNotFoundError:
             return True  # deleted while being read: nothing more will be written
-
-    async def _with_wait_message(self, record: JobRecord) -> JobRecord:
-        """A queued job says its place and the cap it waits behind; a pending job handed over
-        that waits for resources says which, and what the cluster has."""
-        if record.status is not JobStatus.PENDING:
-            return record
-        queued = self._queue.describe(record.submission_id)
-        if queued is not None:
-            return record.with_changes(message=queued)
-        waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
-        return record if waiting_for is None else record.with_changes(message=waiting_for)
-
-
-def _in_scope(record: JobRecord, tenant: str | None) -> bool:
-    """Whether a caller that sees `tenant`'s jobs (None: every tenant's) may see `record`."""
-    return tenant is None or record.tenant == tenant
-
-
-def _scoped(query: JobQuery | None, tenant: str | None) -> JobQuery:
-    """`query` narrowed to `tenant`'s jobs (None: as it is)."""
-    query = query or JobQuery()
-    return query if tenant is None else dataclasses.replace(query, tenant=tenant)
-
-
-async def _validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:
-    """A 400 for what Ray would reject, and for code packages no node could fetch."""
-    refs = package_refs(runtime_env)
-    try:
-        RuntimeEnv(**runtime_env)
-    except Exception as error:  # Ray raises ValueError, TypeError or its own errors
-        raise InvalidRuntimeEnvError(f"Invalid runtime_env: {error}") from error
-    for ref in refs:
-        if ref.is_uploaded:
-            try:
-                await packages.ensure_exists(ref.uri)
-            except PackageNotFoundError:
-                raise InvalidRuntimeEnvError(
-                    f"runtime_env.{ref.field}: package {ref.uri} was never uploaded to this "
-                    "cluster, or has expired (Ray's clients upload a local directory first)."
-                ) from None

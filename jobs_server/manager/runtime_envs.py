@@ -1,4 +1,4 @@
-"""Submit-time checks of a runtime env's code packages: `working_dir` and `py_modules`.
+"""Submit-time checks of a runtime env and its code packages: `working_dir` and `py_modules`.
 
 What Ray would only find out on a node, minutes later or never (a path that exists only on the
 server, a package that was never uploaded), is a 400 here that names the field.
@@ -7,12 +7,15 @@ server, a package that was never uploaded), is a 400 here that names the field.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ray.runtime_env import RuntimeEnv
 
-from jobs_server.errors import InvalidRuntimeEnvError
+from jobs_server.errors import InvalidRuntimeEnvError, PackageNotFoundError
+
+if TYPE_CHECKING:  # not at run time: the supervisor imports this module, and needs no GCS KV
+    from jobs_server.manager.packages import PackageLookup
 
 # Where Ray's runtime-env agent reads a package uploaded through /api/packages.
 GCS_SCHEME = "gcs"
@@ -28,6 +31,24 @@ class PackageRef:
     @property
     def is_uploaded(self) -> bool:
         return urlparse(self.uri).scheme == GCS_SCHEME
+
+
+async def validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:
+    """A 400 for what Ray would reject, and for code packages no node could fetch."""
+    refs = package_refs(runtime_env)
+    try:
+        RuntimeEnv(**runtime_env)
+    except Exception as error:  # Ray raises ValueError, TypeError or its own errors
+        raise InvalidRuntimeEnvError(f"Invalid runtime_env: {error}") from error
+    for ref in refs:
+        if ref.is_uploaded:
+            try:
+                await packages.ensure_exists(ref.uri)
+            except PackageNotFoundError:
+                raise InvalidRuntimeEnvError(
+                    f"runtime_env.{ref.field}: package {ref.uri} was never uploaded to this "
+                    "cluster, or has expired (Ray's clients upload a local directory first)."
+                ) from None
 
 
 def package_refs(runtime_env: dict[str, Any]) -> list[PackageRef]:

@@ -1,0 +1,182 @@
+"""The read side of the archive: JobQuery, the SQL a query becomes, and the reads of the jobs
+table and of the events (EventLog). Plain functions of a connection: the archive runs them on
+its own thread."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+from typing import Any
+
+from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.records import JobRecord, JobStatus
+
+# Rows read per batch when the whole list is streamed.
+STREAM_BATCH_ROWS = 500
+
+_TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
+# Named, not "NOT IN terminal": only an IN list uses the status index (a full scan of a long
+# history took 2.5 s of every start).
+_UNFINISHED = tuple(status.value for status in JobStatus if not status.is_terminal())
+
+
+@dataclass(frozen=True)
+class JobQuery:
+    """A filtered, ordered page of the history."""
+
+    statuses: frozenset[JobStatus] | None = None
+    submitted_after: int | None = None
+    """Unix ms, exclusive."""
+    submitted_before: int | None = None
+    """Unix ms, exclusive."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    """Exact matches, all of them."""
+    descending: bool = False
+    tenant: str | None = None
+    """Only this tenant's jobs; None: every tenant's."""
+
+
+class UnknownCursorError(Exception):
+    """The `after` job of a page is not in the archive."""
+
+
+def get_job(db: sqlite3.Connection, submission_id: str) -> JobRecord | None:
+    row = db.execute("SELECT record FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
+    return None if row is None else JobRecord.model_validate_json(row[0])
+
+
+def count_by_status(db: sqlite3.Connection) -> dict[JobStatus, int]:
+    rows = db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")
+    return {JobStatus(status): count for status, count in rows.fetchall()}
+
+
+def count_by_tenant(db: sqlite3.Connection, tenant: str | None) -> dict[str, dict[JobStatus, int]]:
+    sql, parameters = "SELECT tenant, status, COUNT(*) FROM jobs", []
+    if tenant is not None:
+        sql, parameters = sql + " WHERE tenant = ?", [tenant]
+    counts: dict[str, dict[JobStatus, int]] = {}
+    for row_tenant, status, count in db.execute(sql + " GROUP BY tenant, status", parameters):
+        counts.setdefault(row_tenant, {})[JobStatus(status)] = count
+    return counts
+
+
+def unfinished_jobs(db: sqlite3.Connection) -> list[JobRecord]:
+    rows = db.execute(
+        "SELECT record FROM jobs WHERE status IN (?, ?) ORDER BY seq", _UNFINISHED
+    ).fetchall()
+    return [JobRecord.model_validate_json(text) for (text,) in rows]
+
+
+def seq_of(db: sqlite3.Connection, after: str, tenant: str | None = None) -> int:
+    # A cursor of another tenant's job is as unknown as one that never existed.
+    sql, parameters = "SELECT seq FROM jobs WHERE submission_id = ?", [after]
+    if tenant is not None:
+        sql, parameters = sql + " AND tenant = ?", [after, tenant]
+    row = db.execute(sql, parameters).fetchone()
+    if row is None:
+        raise UnknownCursorError(after)
+    return int(row[0])
+
+
+def page_of_jobs(
+    db: sqlite3.Connection, query: JobQuery, after: str | None, limit: int | None
+) -> tuple[list[JobRecord], bool]:
+    after_seq = None if after is None else seq_of(db, after, query.tenant)
+    sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
+    rows = db.execute(sql, parameters).fetchall()
+    more = limit is not None and len(rows) > limit
+    return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
+
+
+def batch_of_jobs(
+    db: sqlite3.Connection, query: JobQuery, after_seq: int | None
+) -> list[tuple[int, str]]:
+    sql, parameters = _select(query, after_seq, STREAM_BATCH_ROWS)
+    return db.execute(sql, parameters).fetchall()
+
+
+def expired_jobs(
+    db: sqlite3.Connection, older_than_ms: int | None, keep_newest: int | None, limit: int
+) -> list[JobRecord]:
+    clauses = []
+    parameters: list[Any] = list(_TERMINAL)
+    if older_than_ms is not None:
+        clauses.append("end_time < ?")
+        parameters.append(older_than_ms)
+    if keep_newest is not None:
+        row = db.execute(
+            "SELECT seq FROM jobs ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep_newest,)
+        ).fetchone()
+        if row is not None:
+            clauses.append("seq <= ?")
+            parameters.append(row[0])
+    if not clauses:
+        return []
+    parameters.append(limit)
+    rows = db.execute(
+        "SELECT record FROM jobs WHERE status IN (?, ?, ?) AND"
+        f" ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
+        parameters,
+    ).fetchall()
+    return [JobRecord.model_validate_json(text) for (text,) in rows]
+
+
+def events_after(db: sqlite3.Connection, after_id: int, limit: int) -> list[JobEvent]:
+    rows = db.execute(
+        "SELECT id, type, submission_id, tenant, status, message, time, record"
+        " FROM events WHERE id > ? ORDER BY id LIMIT ?",
+        (after_id, limit),
+    ).fetchall()
+    return [
+        JobEvent(
+            id=id_,
+            type=JobEventType(type_),
+            submission_id=submission_id,
+            tenant=tenant,
+            status=None if status is None else JobStatus(status),
+            message=message,
+            time=time,
+            record=None if record is None else JobRecord.model_validate_json(record),
+        )
+        for id_, type_, submission_id, tenant, status, message, time, record in rows
+    ]
+
+
+def event_id_range(db: sqlite3.Connection) -> tuple[int, int]:
+    oldest, newest = db.execute("SELECT MIN(id), MAX(id) FROM events").fetchone()
+    if newest is None:
+        return 0, 0
+    return oldest, newest
+
+
+def _select(query: JobQuery, after_seq: int | None, limit: int | None) -> tuple[str, list[Any]]:
+    """The SELECT of (seq, record) for `query`, after `after_seq` in the query's order."""
+    clauses: list[str] = []
+    parameters: list[Any] = []
+    if query.statuses is not None:
+        statuses = sorted(status.value for status in query.statuses)
+        clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
+        parameters += statuses
+    if query.tenant is not None:
+        clauses.append("tenant = ?")
+        parameters.append(query.tenant)
+    if query.submitted_after is not None:
+        clauses.append("start_time > ?")
+        parameters.append(query.submitted_after)
+    if query.submitted_before is not None:
+        clauses.append("start_time < ?")
+        parameters.append(query.submitted_before)
+    for key, value in query.metadata:
+        clauses.append("seq IN (SELECT seq FROM job_metadata WHERE key = ? AND value = ?)")
+        parameters += [key, value]
+    if after_seq is not None:
+        clauses.append("seq < ?" if query.descending else "seq > ?")
+        parameters.append(after_seq)
+    sql = "SELECT seq, record FROM jobs"
+    if clauses:
+        sql += " WHERE " + " AND ".join(clauses)
+    sql += " ORDER BY seq DESC" if query.descending else " ORDER BY seq"
+    if limit is not None:
+        sql += " LIMIT ?"
+        parameters.append(limit)
+    return sql, parameters

@@ -1,0 +1,87 @@
+"""What a job is now, as a client sees it: its archived row, for a live job overlaid with what
+the KV says, and for a pending one the wait it is in. Scoped by tenant: another tenant's job is
+not found, as an unknown id is."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.archive import Archive, JobQuery
+from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.manager.store import JobStore
+
+logger = logging.getLogger(__name__)
+
+
+class JobViews:
+    """Reads the jobs of one server as they are now (JobManager's gets and lists)."""
+
+    def __init__(
+        self,
+        *,
+        archive: Archive,
+        store: JobStore,
+        queue: JobQueue,
+        cluster_resources: ClusterResources,
+    ) -> None:
+        self._archive = archive
+        self._store = store
+        self._queue = queue
+        self._cluster_resources = cluster_resources
+
+    async def record(self, submission_id: str, tenant: str | None = None) -> JobRecord:
+        """The job as it is: its archived row, or for a live one what the KV says now. A job
+        of another tenant than `tenant` (None: any) is not found, as an unknown id is."""
+        archived = await self._archive.get(submission_id)
+        if archived is None or not in_scope(archived, tenant):
+            raise JobNotFoundError(submission_id)
+        if archived.status.is_terminal():
+            return archived
+        return (await self._store.current([archived])).get(submission_id, archived)
+
+    async def as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
+        """Live rows overlaid with what the KV says now (the archive learns a status a moment
+        after the KV): one KV round trip per batch, none for a batch of finished jobs."""
+        if all(record.status.is_terminal() for record in records):
+            return records
+        # Queued jobs are not in the KV yet.
+        live = [
+            record
+            for record in records
+            if not record.status.is_terminal() and record.submission_id not in self._queue
+        ]
+        try:
+            current = await self._store.current(live) if live else {}
+        except Exception:
+            logger.warning("reading live jobs from the KV failed", exc_info=True)
+            current = {}
+        return [
+            await self.with_wait_message(current.get(record.submission_id, record))
+            for record in records
+        ]
+
+    async def with_wait_message(self, record: JobRecord) -> JobRecord:
+        """A queued job says its place and the cap it waits behind; a pending job handed over
+        that waits for resources says which, and what the cluster has."""
+        if record.status is not JobStatus.PENDING:
+            return record
+        queued = self._queue.describe(record.submission_id)
+        if queued is not None:
+            return record.with_changes(message=queued)
+        waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
+        return record if waiting_for is None else record.with_changes(message=waiting_for)
+
+
+def in_scope(record: JobRecord, tenant: str | None) -> bool:
+    """Whether a caller that sees `tenant`'s jobs (None: every tenant's) may see `record`."""
+    return tenant is None or record.tenant == tenant
+
+
+def scoped(query: JobQuery | None, tenant: str | None) -> JobQuery:
+    """`query` narrowed to `tenant`'s jobs (None: as it is)."""
+    query = query or JobQuery()
+    return query if tenant is None else dataclasses.replace(query, tenant=tenant)

@@ -1,0 +1,207 @@
+"""Stopping jobs: one on request (a queued one before it starts, a pending one called off by
+its supervisor, a running one asked to stop), and every live one when an embedded server closes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import ray
+from ray.exceptions import ActorDiedError, ActorUnavailableError
+
+from jobs_server.errors import JobNotFoundError, SupervisorUnreachableError
+from jobs_server.manager.archive import Archive
+from jobs_server.manager.dispatcher import Dispatcher
+from jobs_server.manager.history import JobHistory
+from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.records import JobRecord, JobStatus, now_ms
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.watcher import JobWatchers
+
+logger = logging.getLogger(__name__)
+
+# How long a stop request waits for an unreachable supervisor before answering 503.
+STOP_UNREACHABLE_WAIT_S = 5.0
+# How long a stop of a PENDING job waits for its supervisor to call it off (a supervisor of the
+# job's own may not be up yet: then the server records the end and kills the actor).
+CALL_OFF_WAIT_S = 2.0
+# A shared supervisor is up, only maybe busy: the server waits longer rather than record a
+# "stopped before it started" that the supervisor may have made untrue meanwhile.
+SHARED_CALL_OFF_WAIT_S = 30.0
+
+
+class JobStopper:
+    """Stops the jobs of one server (JobManager's `stop_job`, and its close in embedded mode)."""
+
+    def __init__(
+        self,
+        *,
+        store: JobStore,
+        history: JobHistory,
+        archive: Archive,
+        supervisors: Supervisors,
+        dispatcher: Dispatcher,
+        queue: JobQueue,
+        watchers: JobWatchers,
+        stop_grace_s: float,
+        read_record: Callable[[str, str | None], Awaitable[JobRecord]],
+    ) -> None:
+        self._store = store
+        self._history = history
+        self._archive = archive
+        self._supervisors = supervisors
+        self._dispatcher = dispatcher
+        self._queue = queue
+        self._watchers = watchers
+        self._stop_grace_s = stop_grace_s
+        # The job as it is now, of a tenant (None: any); JobNotFoundError if there is none.
+        self._read_record = read_record
+
+    async def stop_job(
+        self, submission_id: str, grace_period_s: float | None, tenant: str | None
+    ) -> bool:
+        """Ask a job (of `tenant`) to stop; return False if it had already ended."""
+        record = await self._read_record(submission_id, tenant)
+        if record.status.is_terminal():
+            return False
+        if record.status is JobStatus.PENDING:
+            # Queued (or being handed over): the queue stops it before its command starts.
+            stopped = await self._dispatcher.stop_before_start(record)
+            if stopped is not None:
+                return stopped
+            record = await self._read_record(submission_id, None)
+            if record.status.is_terminal():
+                return False
+        name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
+        supervisor = await asyncio.to_thread(self._supervisors.find, name)
+        if record.status is JobStatus.RUNNING and supervisor is not None:
+            await self._ask_to_stop(record, supervisor, grace_period_s)
+            return True
+        # PENDING here, but the command may have started since: only its supervisor knows. It
+        # calls the job off (the command never starts) or stops it, and answers once nothing
+        # of the job runs; the end it recorded in the KV is archived now, so a read right after
+        # the stop sees it.
+        if supervisor is not None and await self._call_off(record, supervisor):
+            await self._history.learn(record)
+            return True
+        # No supervisor answered (its own one is not up yet, or it is gone): the command has
+        # not started. Compare-and-set: if the job ended (or started and was stopped) first,
+        # that stays; a supervisor that starts it right now finds the record terminal and
+        # stops it.
+        try:
+            ended = await self._store.update(
+                submission_id,
+                record.run_id,
+                status=JobStatus.STOPPED,
+                message=NEVER_STARTED_MESSAGE,
+            )
+        except JobNotFoundError:
+            # The run left the KV meanwhile: it ended (a late call-off, or its command), its end
+            # was archived and its KV entries forgotten. The archive says how it ended.
+            stored = await self._read_record(submission_id, None)
+            if stored.run_id != record.run_id or not stored.status.is_terminal():
+                raise
+            return stored.status is JobStatus.STOPPED
+        await self._history.archive_end(ended)
+        if supervisor is not None and is_dedicated(name):
+            await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
+        elif supervisor is not None:
+            await supervisor.stop_job.remote(submission_id, 0)
+        return True
+
+    async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
+        """Have the supervisor call off a job it may be starting; True once it has recorded
+        the end and nothing of the job runs, False if it did not answer in time."""
+        name = record.supervisor_name or ""
+        # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
+        # it ends with its actor, and its outcome is then read and dropped.
+        call = asyncio.ensure_future(
+            supervisor.call_off.remote(record.submission_id, record.run_id)
+        )
+        call.add_done_callback(lambda done: done.cancelled() or done.exception())
+        answered, _ = await asyncio.wait(
+            {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S
+        )
+        if not answered:
+            return False
+        try:
+            call.result()
+        except (ActorDiedError, ActorUnavailableError):
+            return False
+        return True
+
+    async def _ask_to_stop(
+        self, record: JobRecord, supervisor: Any, grace_period_s: float | None
+    ) -> None:
+        """Ask a running job's supervisor to stop it, waiting a little for one that cannot be
+        reached (or does not answer); a supervisor that died took the job's processes with it."""
+        deadline = time.monotonic() + STOP_UNREACHABLE_WAIT_S
+        while True:
+            try:
+                await asyncio.wait_for(
+                    supervisor.stop_job.remote(record.submission_id, grace_period_s),
+                    timeout=max(0.0, deadline - time.monotonic()),
+                )
+                return
+            except ActorDiedError:
+                return  # its watcher records how the job ended
+            except (ActorUnavailableError, TimeoutError) as error:
+                if time.monotonic() >= deadline:
+                    raise SupervisorUnreachableError(
+                        f"The supervisor of job {record.submission_id!r} on node "
+                        f"{record.driver_node_id} cannot be reached now (its node may be "
+                        "failing); the job was not asked to stop. Try again."
+                    ) from error
+                await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
+
+    async def stop_all_jobs(self, timeout_s: float) -> None:
+        """Record every live job STOPPED (the end key's put-if-absent: a job that ended first
+        keeps its end), ask its supervisor to stop it (SIGTERM, grace, SIGKILL), and wait for
+        the watchers, at most `timeout_s`."""
+        message = (
+            "The job was stopped because the server shut down (in embedded mode its Ray "
+            "instance stops with it)."
+        )
+        # Queued jobs never started: they stay queued, for the next server to run.
+        live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
+        grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
+
+        async def stop(record: JobRecord) -> None:
+            try:
+                ended = await self._store.update(
+                    record.submission_id, record.run_id, status=JobStatus.STOPPED, message=message
+                )
+                await self._history.archive_end(ended)
+                supervisor = await asyncio.to_thread(
+                    self._supervisors.find, record.supervisor_name or ""
+                )
+                if supervisor is not None:
+                    await supervisor.stop_job.remote(record.submission_id, grace_s)
+            except Exception:
+                logger.warning(
+                    "stopping job %s at shutdown failed", record.submission_id, exc_info=True
+                )
+
+        if live:
+            logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
+            deadline = time.monotonic() + timeout_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(stop(record) for record in live)), timeout=timeout_s
+                )
+            # Their supervisors end the processes (SIGTERM, grace, SIGKILL) before Ray stops.
+            await self._watchers.wait(deadline - time.monotonic())
+        # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
+        for record in await self._archive.unfinished():
+            if record.submission_id in self._queue:
+                continue
+            await self._archive.update(
+                record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
+            )
