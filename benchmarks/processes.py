@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +22,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 
 import psutil
 
@@ -284,3 +286,16 @@ def kill_survivors(marker: str) -> list[tuple[int, str]]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     return survivors
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def set_up_benchmark_process() -> None:
+    """Progress to stderr with times; a SIGTERM unwinds like Ctrl-C, so the `finally` blocks
+    stop every process group the benchmark started."""
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
+    )
+    signal.signal(signal.SIGTERM, _interrupt)

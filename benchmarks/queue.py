@@ -23,7 +23,6 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -31,13 +30,18 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 
 import aiohttp
 import psutil
 
 from benchmarks.client import JobsApi, new_session, submit_with_workers
-from benchmarks.processes import jobs_server, kill_survivors, process_tree, ray_head
+from benchmarks.processes import (
+    jobs_server,
+    kill_survivors,
+    process_tree,
+    ray_head,
+    set_up_benchmark_process,
+)
 from benchmarks.stats import percentile, summed_rss_bytes
 
 logger = logging.getLogger("benchmarks.queue")
@@ -370,16 +374,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
-    )
-    signal.signal(signal.SIGTERM, _interrupt)
+    set_up_benchmark_process()
     started = datetime.datetime.now().astimezone()
     load_before = os.getloadavg()
     work_dir = Path(tempfile.mkdtemp(prefix="jobs-queue-", dir="/tmp"))

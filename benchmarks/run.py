@@ -20,7 +20,6 @@ import logging
 import os
 import shlex
 import shutil
-import signal
 import sys
 import tempfile
 import time
@@ -28,7 +27,6 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import psutil
 
@@ -43,6 +41,7 @@ from benchmarks.processes import (
     ray_head,
     ray_log_processes,
     ray_worker,
+    set_up_benchmark_process,
 )
 from benchmarks.remote_scenarios import NodeLoss
 from benchmarks.report import Figure, Metric, Results, Server, format_value, markdown_table
@@ -352,17 +351,9 @@ def worker_node(head: RayHead) -> contextlib.AbstractContextManager[RayNode]:
     )
 
 
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
-    )
-    # A SIGTERM unwinds like Ctrl-C, so the finally blocks stop every process group we started.
-    signal.signal(signal.SIGTERM, _interrupt)
+    set_up_benchmark_process()
     sizes = sizes_for(args.quick, args.list_jobs)
     scenarios = build_scenarios(sizes, args.only)
     started = datetime.datetime.now().astimezone()

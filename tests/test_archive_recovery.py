@@ -7,41 +7,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 
-from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
+from jobs_server.manager import JobRecord, JobSpec, JobStatus
 from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import new_run_id, now_ms
 from jobs_server.manager.store import JobStore
 from tests.conftest import kill_actors_in_namespace
-
-
-@asynccontextmanager
-async def running_manager(
-    gcs_address: str, namespace: str, state_dir: Path
-) -> AsyncIterator[tuple[JobManager, Archive]]:
-    archive = Archive(archive_path(state_dir), on_events=lambda events: event_feed.publish(events))
-    event_feed = EventFeed(archive)
-    await archive.open()
-    manager = JobManager(
-        gcs_address=gcs_address,
-        namespace=namespace,
-        archive=archive,
-        event_feed=event_feed,
-        log_dir=state_dir / "logs",
-        stop_grace_s=0.5,
-        job_start_timeout_s=60,
-    )
-    await manager.start()
-    try:
-        yield manager, archive
-    finally:
-        await manager.close()
-        await archive.close()
+from tests.managers import running_manager
 
 
 def pending(submission_id: str) -> JobRecord:

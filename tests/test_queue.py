@@ -20,12 +20,11 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.errors import JobNotFoundError, QueueFullError
 from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
-from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
 from tests.conftest import kill_actors_in_namespace, submit, wait_for_status
+from tests.managers import running_manager
 from tests.openapi_contract import Contract
 from tests.test_openapi_contract import Exchange
 
@@ -132,27 +131,17 @@ async def queue_manager(
 ) -> AsyncIterator[JobManager]:
     """A manager on the session's Ray, in a namespace of its own, with the caps given."""
     namespace = f"test_queue_{uuid.uuid4().hex[:8]}"
-    archive = Archive(archive_path(state_dir), on_events=lambda events: event_feed.publish(events))
-    event_feed = EventFeed(archive)
-    await archive.open()
-    manager = JobManager(
-        gcs_address=gcs_address,
-        namespace=namespace,
-        archive=archive,
-        event_feed=event_feed,
-        log_dir=state_dir / "logs",
-        stop_grace_s=0.5,
-        job_start_timeout_s=60,
-        max_running_jobs=max_running,
-        max_queued_jobs=max_queued,
-        tenant_limits=tenant_limits,
-    )
-    await manager.start()
     try:
-        yield manager
+        async with running_manager(
+            gcs_address,
+            namespace,
+            state_dir,
+            max_running_jobs=max_running,
+            max_queued_jobs=max_queued,
+            tenant_limits=tenant_limits,
+        ) as (manager, _):
+            yield manager
     finally:
-        await manager.close()
-        await archive.close()
         kill_actors_in_namespace(namespace)
 
 

@@ -22,6 +22,7 @@ from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
 from jobs_server.manager.event_feed import EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.records import JobStatus
+from jobs_server.query_params import parse_statuses
 from jobs_server.request_body import describe_validation_error
 from jobs_server.streams import CLIENT_CHECK_S, open_stream
 
@@ -44,15 +45,7 @@ class EventsQuery(BaseModel):
     status: str | None = None
 
     def statuses(self) -> frozenset[JobStatus] | None:
-        if self.status is None:
-            return None
-        names = [name.strip().upper() for name in self.status.split(",") if name.strip()]
-        unknown = [name for name in names if name not in JobStatus.__members__]
-        if unknown or not names:
-            raise InvalidRequestError(
-                f"status: expected statuses among {', '.join(JobStatus)}, got {self.status!r}"
-            )
-        return frozenset(JobStatus[name] for name in names)
+        return parse_statuses(self.status)
 
 
 @routes.get("/api/events", name="stream_events")

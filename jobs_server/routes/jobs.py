@@ -28,6 +28,7 @@ from jobs_server.keys import (
     SETTINGS_KEY,
 )
 from jobs_server.manager import JobQuery, JobRecord, JobStatus, new_submission_id
+from jobs_server.query_params import parse_statuses
 from jobs_server.request_body import (
     describe_validation_error,
     json_response,
@@ -73,15 +74,7 @@ class ListJobsQuery(BaseModel):
     order: Literal["asc", "desc"] = "asc"
 
     def statuses(self) -> frozenset[JobStatus] | None:
-        if self.status is None:
-            return None
-        names = [name.strip().upper() for name in self.status.split(",") if name.strip()]
-        unknown = [name for name in names if name not in JobStatus.__members__]
-        if unknown or not names:
-            raise InvalidRequestError(
-                f"status: expected statuses among {', '.join(JobStatus)}, got {self.status!r}"
-            )
-        return frozenset(JobStatus[name] for name in names)
+        return parse_statuses(self.status)
 
     def to_query(self, metadata: tuple[tuple[str, str], ...]) -> JobQuery:
         return JobQuery(
