@@ -28,7 +28,7 @@ from jobs_server.manager.archive_queries import STREAM_BATCH_ROWS as STREAM_BATC
 from jobs_server.manager.archive_queries import JobQuery as JobQuery
 from jobs_server.manager.archive_queries import UnknownCursorError as UnknownCursorError
 from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.group_commit import GroupCommit
+from jobs_server.manager.group_commit import GroupCommit, rollback
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 
 logger = logging.getLogger(__name__)
@@ -170,7 +170,7 @@ class Archive:
             self._trim_events(db)
             db.execute("COMMIT")
         except BaseException:
-            _rollback(db)
+            rollback(db)
             raise
         return events
 
@@ -373,10 +373,3 @@ class Archive:
 
 def archive_path(state_dir: Path) -> Path:
     return state_dir / ARCHIVE_FILE_NAME
-
-
-def _rollback(db: sqlite3.Connection) -> None:
-    """Roll back what is left of a failed transaction: SQLite has already rolled back one that
-    met a full disk, and a second ROLLBACK would raise over the first error."""
-    if db.in_transaction:
-        db.execute("ROLLBACK")

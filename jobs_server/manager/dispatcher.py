@@ -17,7 +17,6 @@ import contextlib
 import functools
 import logging
 from enum import Enum
-from pathlib import Path
 
 import ray
 
@@ -25,6 +24,7 @@ from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.logs import set_aside_orphaned_log
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -182,13 +182,3 @@ class Dispatcher:
         if outcome is HandOver.STARTED:
             return None
         return outcome is HandOver.CALLED_OFF
-
-
-def set_aside_orphaned_log(path: Path) -> None:
-    """A log file of an id the archive does not have belongs to no record (the archive was
-    lost, or a delete could not remove it): the new job must not append to it, and its bytes
-    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
-    if path.exists():
-        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
-        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
-        path.rename(orphan)

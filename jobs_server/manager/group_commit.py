@@ -107,7 +107,13 @@ class GroupCommit:
             self._after_each_batch(db)
             db.execute("COMMIT")
         except BaseException:
-            if db.in_transaction:
-                db.execute("ROLLBACK")
+            rollback(db)
             raise
         return outcomes
+
+
+def rollback(db: sqlite3.Connection) -> None:
+    """Roll back what is left of a failed transaction: SQLite has already rolled back one that
+    met a full disk, and a second ROLLBACK would raise over the first error."""
+    if db.in_transaction:
+        db.execute("ROLLBACK")

@@ -22,7 +22,7 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
-from jobs_server.manager.dispatcher import Dispatcher, set_aside_orphaned_log
+from jobs_server.manager.dispatcher import PENDING_MESSAGE, Dispatcher
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.history import JobHistory
@@ -32,7 +32,13 @@ from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.log_watch import LogWatchers
-from jobs_server.manager.logs import LogChunk, job_log_path, log_size, read_log_chunks
+from jobs_server.manager.logs import (
+    LogChunk,
+    job_log_path,
+    log_size,
+    read_log_chunks,
+    set_aside_orphaned_log,
+)
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.recovery import Recovery
@@ -210,7 +216,7 @@ class JobManager:
             spec=spec,
             tenant=tenant,
             start_time=now_ms(),
-            message="Job is pending.",
+            message=PENDING_MESSAGE,
             supervisor_name=self._supervisors.name_for(spec, run_id),
             run_id=run_id,
         )

@@ -6,6 +6,7 @@ Every log endpoint frames the chunks this module yields; none reads a log file a
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
@@ -14,6 +15,9 @@ from pathlib import Path
 from typing import BinaryIO
 
 from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatchers, Wake
+from jobs_server.manager.records import now_ms
+
+logger = logging.getLogger(__name__)
 
 # Large enough that a full read of a big log is not dominated by per-chunk costs (a thread hop,
 # a write); a follower of a live job reads only what is new, usually far less.
@@ -222,3 +226,13 @@ def read_log_tail(
     if start > start_offset and b"\n" in data[:-1]:
         data = data[data.index(b"\n") + 1 :]
     return data.decode("utf-8", errors="replace")
+
+
+def set_aside_orphaned_log(path: Path) -> None:
+    """A log file of an id the archive does not have belongs to no record (the archive was
+    lost, or a delete could not remove it): the new job must not append to it, and its bytes
+    are not ours to destroy, so it is renamed `<name>.orphaned-<ms>`."""
+    if path.exists():
+        orphan = path.with_name(f"{path.name}.orphaned-{now_ms()}")
+        logger.warning("log %s belongs to no job; moved to %s", path, orphan)
+        path.rename(orphan)
