@@ -14,12 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.job_run import SUBMISSION_ID_ENV_VAR
-from jobs_server.manager.process import signal_job_processes, start_entrypoint
+from jobs_server.manager.process import (
+    find_job_processes,
+    kill_job_processes,
+    signal_job_processes,
+    start_entrypoint,
+)
 from jobs_server.settings import Settings
 from tests.conftest import job_logs, submit, wait_for_status
 
@@ -157,6 +163,90 @@ async def test_a_stop_reaches_the_shell_and_its_child_at_once(
     await asyncio.sleep(0.2)
     assert codes == [-signal.SIGTERM] * len(runs)
     assert [log_path.read_bytes() for _, log_path, _ in runs] == [b""] * len(runs)
+
+
+# Shells that left the command's process group (`setsid`), each waiting for its own child: a
+# stop signals them one by one.
+ESCAPED_SHELLS = (
+    "for i in 1 2 3 4 5 6 7 8; do setsid sh -c 'sleep 60; echo b' & done; echo ready; sleep 60"
+)
+# Jobs enough that some parent and child are not in the order of their pids' hashes (the order
+# of a set of pids, which a stop once signalled them in).
+ESCAPED_SHELL_JOBS = 10
+
+
+async def _start_escaped_shells(
+    tmp_path: Path, containment: Containment
+) -> list[tuple[asyncio.subprocess.Process, Path, str]]:
+    jobs = []
+    for index in range(ESCAPED_SHELL_JOBS):
+        job_token, log_path = f"escaped-{index}", tmp_path / f"escaped-{index}.log"
+        process = await start_entrypoint(
+            ESCAPED_SHELLS,
+            log_path=log_path,
+            env={**os.environ, "JOBS_SERVER_JOB_TOKEN": job_token},
+            containment=containment,
+        )
+        jobs.append((process, log_path, job_token))
+    # Every escaped shell has started its sleep: 1 + 8 shells, 8 + 1 sleeps (and an init).
+    processes = 18 + (containment == Containment.PID_NAMESPACE)
+    deadline = time.monotonic() + 30
+    for process, _, job_token in jobs:
+        while len(find_job_processes(job_token, process.pid)) < processes:
+            assert time.monotonic() < deadline, "the escaped shells never started"
+            await asyncio.sleep(0.05)
+    return jobs
+
+
+async def _kill_all(
+    jobs: list[tuple[asyncio.subprocess.Process, Path, str]], containment: Containment
+) -> None:
+    for process, _, job_token in jobs:
+        await kill_job_processes(job_token, process.pid, containment=containment)
+        await process.wait()
+
+
+def test_a_jobs_processes_are_found_parents_first(tmp_path: Path) -> None:
+    async def check() -> None:
+        jobs = await _start_escaped_shells(tmp_path, Containment.MARKER)
+        try:
+            for process, _, job_token in jobs:
+                found = find_job_processes(job_token, process.pid)
+                for index, pid in enumerate(found):
+                    parent = psutil.Process(pid).ppid()
+                    assert parent not in found[index:], f"{pid} comes before its parent {parent}"
+        finally:
+            await _kill_all(jobs, Containment.MARKER)
+
+    asyncio.run(check())
+
+
+@pytest.mark.parametrize("containment", list(Containment))
+async def test_a_kill_paused_between_two_signals_lets_no_shell_run_on(
+    tmp_path: Path, containment: Containment, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The supervisor may be preempted between two signals (a busy node): a shell whose child
+    was killed first would run its next command meanwhile. Injected here as a pause after
+    every signal sent to one process."""
+    if containment is Containment.PID_NAMESPACE and os.geteuid() != 0:
+        pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    jobs = await _start_escaped_shells(tmp_path, containment)
+    real_kill = os.kill
+
+    def kill_then_pause(pid: int, sig: int) -> None:
+        real_kill(pid, sig)
+        time.sleep(0.02)
+
+    monkeypatch.setattr(os, "kill", kill_then_pause)
+    try:
+        for process, _, job_token in jobs:
+            signal_job_processes(job_token, signal.SIGKILL, process.pid, containment=containment)
+    finally:
+        monkeypatch.undo()
+        await _kill_all(jobs, containment)
+    assert [process.returncode for process, _, _ in jobs] == [-signal.SIGKILL] * len(jobs)
+    await asyncio.sleep(0.3)  # what ran on has written by now
+    assert [log_path.read_text() for _, log_path, _ in jobs] == ["ready\n"] * len(jobs)
 
 
 @pytest.mark.parametrize(

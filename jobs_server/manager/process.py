@@ -104,20 +104,21 @@ async def _wait_for_eof(fd: int) -> None:
 def find_job_processes(
     job_token: str, root_pid: int | None = None, *, other_roots: frozenset[int] = frozenset()
 ) -> list[int]:
-    """Every live process of a job: the command's descendants, and the orphans it left.
+    """Every live process of a job: the command's descendants, and the orphans it left. Each
+    parent comes before its children, the order to signal them in (see `signal_job_processes`).
 
     Orphans are re-parented to this process (a subreaper), so they are found among its own
     children by the job's marker. Only the job's processes and this process's children are
     read, less `other_roots` (the commands of this supervisor's other jobs): stopping fifty jobs
     at once costs no fifty scans of every process on the node.
     """
-    found: set[int] = set()
+    found: dict[int, None] = {}  # an ordered set
     if root_pid is not None:
-        found |= {root_pid, *_descendants(root_pid)}
+        found.update(dict.fromkeys(_tree(root_pid)))
     marker = f"{JOB_TOKEN_ENV_VAR}={job_token}".encode()
     for child in _own_children():
         if child not in found and child not in other_roots and _environ_has(child, marker):
-            found |= {child, *_descendants(child)}
+            found.update(dict.fromkeys(_tree(child)))
     return [pid for pid in found if _is_alive(pid)]
 
 
@@ -157,15 +158,16 @@ def _children_by_psutil(pid: int) -> list[int]:
         return []
 
 
-def _descendants(pid: int) -> set[int]:
-    found: set[int] = set()
-    pending = [pid]
-    while pending:
-        for child in _children(pending.pop()):
-            if child not in found:
-                found.add(child)
-                pending.append(child)
-    return found
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, level by level: each parent before its children."""
+    tree = [pid]
+    seen = {pid}
+    for parent in tree:  # grows as it goes
+        for child in _children(parent):
+            if child not in seen:
+                seen.add(child)
+                tree.append(child)
+    return tree
 
 
 def _environ_has(pid: int, marker: bytes) -> bool:
@@ -202,6 +204,10 @@ def signal_job_processes(
     launcher's group, itself and the init, ends the namespace). Without one, the command's
     process group first (one call, the processes a shell waits for), then its session and
     every other process it owns.
+
+    What is signalled one by one goes parents first: a process that has a SIGKILL pending runs
+    no more code, so no shell is left to see its child die (the supervisor may be preempted
+    between two calls, and a namespace's init may take a while to die and end the rest).
     """
     root = root_pid if root_pid is not None and _is_alive(root_pid) else None
     if root is not None and containment == Containment.PID_NAMESPACE and sig != signal.SIGKILL:
