@@ -42,12 +42,21 @@ class DiskGuard:
     def __init__(self, directories: Sequence[Path], min_free_bytes: int) -> None:
         self._directories = tuple(directories)
         self._min_free_bytes = min_free_bytes
+        self._measuring: asyncio.Task[int] | None = None
 
     async def space(self) -> DiskSpace:
         """The space now (statvfs is a syscall that can block on a network filesystem: off
-        the event loop)."""
-        free_bytes = await asyncio.to_thread(self._least_free_bytes)
+        the event loop). Callers that arrive while a measurement runs share it: under a burst
+        of submits, one thread hop serves them all, and none waits for a value older than
+        its own arrival by more than one measurement."""
+        if self._measuring is None:
+            self._measuring = asyncio.create_task(asyncio.to_thread(self._least_free_bytes))
+            self._measuring.add_done_callback(self._measured)
+        free_bytes = await asyncio.shield(self._measuring)
         return DiskSpace(free_bytes=free_bytes, min_free_bytes=self._min_free_bytes)
+
+    def _measured(self, _: asyncio.Task[int]) -> None:
+        self._measuring = None
 
     async def ensure_space(self, action: str) -> None:
         """Raise InsufficientStorageError, saying why, when the disk is below the threshold."""

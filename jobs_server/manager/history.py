@@ -87,10 +87,13 @@ class JobHistory:
         """Archive a terminal record the caller has just written to the KV (or read)."""
         return await self._archive.update(ended)
 
-    async def forget(self, record: JobRecord) -> None:
+    async def forget(self, record: JobRecord, archived: JobRecord | None = None) -> None:
         """Drop the ended run from the KV once its end is archived (best effort: what is left
-        is forgotten by the next server's recovery)."""
-        stored = await self._archive.get(record.submission_id)
+        is forgotten by the next server's recovery). `archived`: what the caller has just
+        archived of the run, if it knows (saves reading it back)."""
+        stored = archived
+        if stored is None or stored.run_id != record.run_id:
+            stored = await self._archive.get(record.submission_id)
         if (
             stored is not None
             and stored.run_id == record.run_id

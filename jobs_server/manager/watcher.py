@@ -133,6 +133,7 @@ class JobWatchers:
 
     async def _watch(self, record: JobRecord, launch: Launch) -> None:
         failure: JobFailure | None = None
+        archived: JobRecord | None = None
         ended = False
         try:
             failure = await self._outcome(record, launch)
@@ -140,13 +141,13 @@ class JobWatchers:
             if failure is not None:
                 await self._record_failure(record, failure)
             # The end is in the archive before anyone sees this watcher done.
-            await self._history.learn_end(record)
+            archived = await self._history.learn_end(record)
             self._on_end(record)
         finally:
             # Once the job has ended (not when the server shuts down: its jobs run on).
             if ended:
                 await self._retire_supervisor(record, launch.supervisor, failure)
-                await self._history.forget(record)
+                await self._history.forget(record, archived)
 
     async def _outcome(self, record: JobRecord, launch: Launch) -> JobFailure | None:
         """Wait for the run to end: None if its supervisor recorded the end, else the failure
