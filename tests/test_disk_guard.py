@@ -3,6 +3,7 @@ uploads are refused with 507, healthz stays 200 and says so, running jobs go on.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 import sqlite3
@@ -16,7 +17,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
-from jobs_server.disk_guard import is_disk_full, storage_errors_refused
+from jobs_server.disk_guard import DiskGuard, is_disk_full, storage_errors_refused
 from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
@@ -172,6 +173,29 @@ def test_an_error_while_handling_a_full_disk_is_a_full_disk() -> None:
 
     with pytest.raises(InsufficientStorageError), storage_errors_refused("a submit"):
         rollback_after_a_full_disk()
+
+
+async def test_concurrent_checks_share_a_measurement_and_a_later_one_measures_again(
+    small_disk: Path,
+) -> None:
+    """A burst of submits costs one statvfs at a time, not one each; a check that comes after
+    a measurement ended sees the disk as it is then (here: filled meanwhile)."""
+    guard = DiskGuard([small_disk], MIN_FREE_BYTES)
+    measured = 0
+    real_measure = guard._least_free_bytes
+
+    def counted() -> int:
+        nonlocal measured
+        measured += 1
+        return real_measure()
+
+    guard._least_free_bytes = counted  # type: ignore[method-assign]
+    spaces = await asyncio.gather(*(guard.space() for _ in range(20)))
+    assert measured == 1
+    assert {space.is_low for space in spaces} == {False}
+    fill(small_disk, LEFT_FREE_BYTES)
+    assert (await guard.space()).is_low
+    assert measured == 2
 
 
 def test_sqlite_full_is_a_refusal_not_a_crash(small_disk: Path) -> None:
