@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnschedulableError,
@@ -203,9 +204,13 @@ class JobWatchers:
         try:
             try:
                 log_pull = await self._wait_until_started(record, supervisor)
-                await self._history.learn_started(record)
                 if finished is None:
                     finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
+                if not _is_ready(finished):
+                    # A job that has ended already goes to the archive once, ended (its
+                    # RUNNING was never seen there: no RUNNING event, as for any job that
+                    # ends before the server learns that it started).
+                    await self._history.learn_started(record)
                 status = await self._wait_for_end(record, supervisor, finished)
             except ActorDiedError as error:
                 if not is_dedicated(record.supervisor_name or "") and await self._never_started(
@@ -371,6 +376,12 @@ class JobWatchers:
                 await supervisor.stop_job.remote(record.submission_id, 0)
             except Exception:
                 logger.warning("calling off job %s failed", record.submission_id, exc_info=True)
+
+
+def _is_ready(object_ref: Any) -> bool:
+    """Whether the supervisor has answered `object_ref` (a local check: no wait, no fetch)."""
+    ready, _ = ray.wait([object_ref], timeout=0, fetch_local=False)
+    return bool(ready)
 
 
 def _start_failure(
