@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import ray
 from ray.exceptions import (
     ActorDiedError,
     ActorUnschedulableError,
@@ -37,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # How long a finished job's watcher waits for the last pull of its log from another node.
 LOG_PULL_FINISH_S = 10.0
+# A job of a shared supervisor that ends within this long of its hand-over is archived ended
+# without its start being asked for and archived first (see `_ends_at_once`).
+ENDS_AT_ONCE_S = 0.2
 # After an unexpected error from Ray or the KV, a watcher tries again after this long, doubled
 # after each further error up to the maximum (a GCS that restarts takes seconds).
 WATCH_RETRY_INITIAL_S = 0.5
@@ -203,14 +205,18 @@ class JobWatchers:
         log_pull: asyncio.Task[None] | None = None
         try:
             try:
-                log_pull = await self._wait_until_started(record, supervisor)
-                if finished is None:
-                    finished = supervisor.wait_job.remote(record.submission_id, record.run_id)
-                if not _is_ready(finished):
-                    # A job that has ended already goes to the archive once, ended (its
-                    # RUNNING was never seen there: no RUNNING event, as for any job that
-                    # ends before the server learns that it started).
-                    await self._history.learn_started(record)
+                if finished is not None:
+                    finished = _future_of(finished)
+                if finished is None or not await _ends_at_once(record, finished):
+                    log_pull = await self._wait_until_started(record, supervisor)
+                    if finished is None:
+                        finished = _future_of(
+                            supervisor.wait_job.remote(record.submission_id, record.run_id)
+                        )
+                    if not finished.done():
+                        await self._history.learn_started(record)
+                # A job that ended before the server learnt that it started goes to the
+                # archive once, ended (no RUNNING event: its RUNNING was never seen there).
                 status = await self._wait_for_end(record, supervisor, finished)
             except ActorDiedError as error:
                 if not is_dedicated(record.supervisor_name or "") and await self._never_started(
@@ -378,10 +384,21 @@ class JobWatchers:
                 logger.warning("calling off job %s failed", record.submission_id, exc_info=True)
 
 
-def _is_ready(object_ref: Any) -> bool:
-    """Whether the supervisor has answered `object_ref` (a local check: no wait, no fetch)."""
-    ready, _ = ray.wait([object_ref], timeout=0, fetch_local=False)
-    return bool(ready)
+def _future_of(object_ref: Any) -> asyncio.Future[Any]:
+    """The answer of a supervisor call as a future of this loop (awaited, and checked for
+    being done, without asking Ray again)."""
+    return asyncio.wrap_future(object_ref.future())
+
+
+async def _ends_at_once(record: JobRecord, finished: asyncio.Future[Any]) -> bool:
+    """Whether a job of a shared supervisor (on the head node: no log to pull, no runtime env
+    to set up) ends within ENDS_AT_ONCE_S of its hand-over. Such a job needs no question of
+    when it started: one call to its supervisor instead of two, and one write of the archive.
+    A longer job is archived RUNNING that much later (its KV record says RUNNING at once)."""
+    if is_dedicated(record.supervisor_name or ""):
+        return False
+    done, _ = await asyncio.wait({finished}, timeout=ENDS_AT_ONCE_S)
+    return bool(done)
 
 
 def _start_failure(
