@@ -177,7 +177,7 @@ def test_the_message_gives_the_place_and_the_cap() -> None:
         queued(queue, job(f"q{number}"))
     assert queue.describe("q2") == "Queued: 3rd of 12; 50 of 50 running"
     assert queue.describe("running-0") is None
-    queue.withdraw("q0", queue._queued["q0"].record.run_id)
+    queue.withdraw("q0", queue._queued["q0"].run_id)
     assert queue.describe("q2") == "Queued: 2nd of 11; 50 of 50 running"
 
 

@@ -59,17 +59,35 @@ class Admission(Enum):
     """A place in the queue is reserved: archive the job, then `enqueue` it."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Entry:
-    """A queued job and its place in its tenant's order."""
+    """A queued job and its place in its tenant's order. The record is kept as its JSON: bytes
+    are nothing the garbage collector walks, and a full queue of models would add 60,000
+    objects to each of its full collections (a submit waits through them)."""
 
-    record: JobRecord
-    arrival: int
+    submission_id: str
+    run_id: str
+    tenant: str
+    key: tuple[int, int]
+    """Its tenant's order: priority (higher first), then arrival."""
+    record_json: bytes
+
+    @classmethod
+    def of(cls, record: JobRecord, arrival: int) -> _Entry:
+        return cls(
+            submission_id=record.submission_id,
+            run_id=record.run_id,
+            tenant=record.tenant,
+            key=(-record.spec.priority, arrival),
+            record_json=record.model_dump_json().encode(),
+        )
 
     @property
-    def key(self) -> tuple[int, int]:
-        """Its tenant's order: priority (higher first), then arrival."""
-        return (-self.record.spec.priority, self.arrival)
+    def arrival(self) -> int:
+        return self.key[1]
+
+    def record(self) -> JobRecord:
+        return JobRecord.model_validate_json(self.record_json)
 
 
 @dataclass
@@ -213,7 +231,7 @@ class JobQueue:
         """Queue a run without a reservation (recovery: a job accepted by an earlier server; its
         arrival is the order of the calls, so call in submission order)."""
         self._arrivals += 1
-        entry = _Entry(record, self._arrivals)
+        entry = _Entry.of(record, self._arrivals)
         self._tenants.setdefault(record.tenant, _TenantQueue()).add(entry)
         self._queued[record.submission_id] = entry
 
@@ -260,24 +278,25 @@ class JobQueue:
         self._dispatched_at_by_tenant.setdefault(tenant, deque(maxlen=DISPATCHES_MEASURED)).append(
             now
         )
-        self.hold(entry.record)
-        return entry.record
+        record = entry.record()
+        self.hold(record)
+        return record
 
     def withdraw(self, submission_id: str, run_id: str) -> JobRecord | None:
         """Take the queued run out of the queue (it is stopped); None if it is not queued."""
         entry = self._queued.get(submission_id)
-        if entry is None or entry.record.run_id != run_id:
+        if entry is None or entry.run_id != run_id:
             return None
         self._remove(entry)
-        return entry.record
+        return entry.record()
 
     def _remove(self, entry: _Entry) -> None:
-        tenant = entry.record.tenant
+        tenant = entry.tenant
         queue = self._tenants[tenant]
         queue.remove(entry.key)
         if not queue.keys:
             del self._tenants[tenant]
-        del self._queued[entry.record.submission_id]
+        del self._queued[entry.submission_id]
 
     # -- what a client is told --------------------------------------------------------------
 
@@ -286,7 +305,7 @@ class JobQueue:
         entry = self._queued.get(submission_id)
         if entry is None:
             return None
-        tenant = entry.record.tenant
+        tenant = entry.tenant
         rank = self._tenants[tenant].rank(entry.key)
         before = rank
         turn_order = sorted(self._tenants, key=self._turn_order)
@@ -304,7 +323,7 @@ class JobQueue:
         place = self.place(submission_id)
         if place is None:
             return None
-        tenant = self._queued[submission_id].record.tenant
+        tenant = self._queued[submission_id].tenant
         parts = [f"Queued: {ordinal(place[0])} of {place[1]}", self._describe_running()]
         tenant_cap = self._tenant_limits(tenant).max_running
         if tenant_cap is not None:
