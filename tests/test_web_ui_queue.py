@@ -106,7 +106,7 @@ async def test_a_queued_job_shows_its_place_and_priority(
         ("Max retries", "-1", "max_retries: Input should be greater than or equal to 0"),
         ("Max retries", "101", "max_retries: Input should be less than or equal to 100"),
         ("Retry on exit codes", "1, x", "retry_on_exit_codes.1: Input should be a valid integer"),
-        ("Retry on exit codes", "0", "retry_on_exit_codes"),
+        ("Retry on exit codes", "0", "retry_on_exit_codes: Value error, 0 is success"),
     ],
 )
 async def test_the_server_refuses_bad_queue_fields_and_the_form_says_why(
