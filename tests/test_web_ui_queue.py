@@ -50,7 +50,7 @@ async def test_a_job_submitted_with_retries_from_the_form_lists_its_attempts(
     await expect(page.locator('[data-field="status"]')).to_have_text("SUCCEEDED")
     await expect(page.locator('[data-field="priority"]')).to_have_text("5")
     await expect(page.locator('[data-field="retries"]')).to_have_text(
-        "up to 2, on 3, 137 exit code"
+        "up to 2, on exit codes 3, 137"
     )
     rows = page.locator("#attempts tbody tr")
     await expect(rows).to_have_count(3)
@@ -89,6 +89,7 @@ async def test_a_queued_job_shows_its_place_and_priority(
     await expect(page.locator('[data-field="message"]')).to_contain_text("Queued: 1st of 1")
     await expect(page.locator('[data-field="message"]')).to_contain_text("1 of 1 running")
     await expect(page.locator('[data-field="priority"]')).to_have_text("-7")
+    await expect(page.locator('[data-field="retries"]')).to_have_text("none")
     await expect(page.locator("#attempts")).to_be_hidden()  # no retries asked for
 
     assert (await queue_client.post(f"/api/jobs/{running}/stop")).status == 200

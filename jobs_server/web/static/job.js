@@ -12,6 +12,13 @@ const TERMINAL = new Set(["SUCCEEDED", "FAILED", "STOPPED"]);
 // job is read again this often.
 const QUIET_CHANGES_REFRESH_MS = 5000;
 
+/** What a job's retry options say: "up to 2, on exit codes 3, 137". */
+function retriesText(job) {
+  if (!job.max_retries) return "none";
+  const codes = job.retry_on_exit_codes;
+  return `up to ${job.max_retries}, on ${codes ? `exit codes ${codes.join(", ")}` : "any non-zero exit code"}`;
+}
+
 /** The text-log URL of attempt `index`: from its offset to the next attempt's (or the end). */
 function attemptLogPath(jobId, attempts, index) {
   const offset = attempts[index].log_offset;
@@ -90,9 +97,7 @@ export function renderJob(main, jobId, { signal, onError }) {
       ["Message", job.message ?? ""],
       ["Exit code", job.driver_exit_code ?? ""],
       ["Priority", job.priority ?? 0],
-      ["Retries", job.max_retries
-        ? `up to ${job.max_retries}, on ${job.retry_on_exit_codes?.join(", ") ?? "any non-zero"} exit code`
-        : "none"],
+      ["Retries", retriesText(job)],
       ["Entrypoint", el("code", {}, job.entrypoint)],
       ["Submission id", job.submission_id],
       ["Started", formatTime(job.start_time)],

@@ -77,7 +77,7 @@ export function renderSubmitForm(main) {
       field("memory", "Memory (bytes)", memory),
       field("resources", "Custom resources", resources, "One name=amount per line.")),
     el("fieldset", {}, el("legend", {}, "Queue and retries"),
-      field("priority", "Priority", priority, "A whole number; higher runs first among queued jobs. Default 0."),
+      field("priority", "Priority", priority, "A whole number; higher runs first among its tenant's queued jobs. Default 0."),
       field("max-retries", "Max retries", maxRetries, "Failed attempts retried after the first. Default 0."),
       field("retry-on-exit-codes", "Retry on exit codes", retryCodes,
         "Separated by commas, e.g. 1, 137. Empty: any non-zero code is retried.")),
