@@ -46,6 +46,7 @@ from jobs_server.manager import (
 )
 from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed
+from jobs_server.manager.events import JobEvent
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.metrics import ServerMetrics
@@ -170,10 +171,14 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     )
     if sigterm_handler is not None:
         signal.signal(signal.SIGTERM, sigterm_handler)
+
     # The archive wakes the event feed after each commit; the feed reads gaps back from it.
-    archive = Archive(
-        archive_path(settings.state_dir), on_events=lambda events: event_feed.publish(events)
-    )
+    # The metrics count the retries of the jobs that end among them.
+    def on_events(events: list[JobEvent]) -> None:
+        event_feed.publish(events)
+        app[METRICS_KEY].observe_job_events(events)
+
+    archive = Archive(archive_path(settings.state_dir), on_events=on_events)
     event_feed = EventFeed(archive)
     await archive.open()
     manager = JobManager(

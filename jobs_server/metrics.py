@@ -1,23 +1,43 @@
-"""Prometheus metrics: HTTP requests by route, and jobs by tenant and status (read when scraped).
+"""Prometheus metrics: HTTP requests by route, jobs by tenant and status, and the queue (its jobs,
+its caps, its refusals, the retries), read when scraped.
 
-The job counts are made for each scrape from the caller's view: an admin sees every tenant's
-series, any other key only its own tenant's, and none of the server-wide series (HTTP requests,
-retention), which count every tenant's traffic together."""
+The per-tenant series are made for each scrape from the caller's view: an admin sees every
+tenant's series, any other key only its own tenant's, and none of the server-wide series (HTTP
+requests, retention), which count every tenant's traffic together. The caps are configuration,
+not any tenant's work: every caller sees the server's (an unlimited cap is exported as +Inf, so
+`used / cap` is 0 rather than missing)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import collections
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from jobs_server.manager import JobStatus
+from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.tenancy import TenantLimits
 
 # The status counted for a request cancelled before its handler returned: nginx's "client closed
 # request", as no status of HTTP's own says that.
 CANCELLED_REQUEST_STATUS = 499
+
+
+@dataclass(frozen=True)
+class QueueState:
+    """The queue as one scrape sees it."""
+
+    occupancy: Mapping[str, tuple[int, int]]
+    """(jobs queued, jobs holding a running slot) by tenant."""
+    max_running: int | None
+    max_queued: int | None
+    tenant_limits: Mapping[str, TenantLimits] = field(default_factory=dict)
+    """The caps of each tenant the scrape shows."""
 
 
 class ServerMetrics:
@@ -42,19 +62,46 @@ class ServerMetrics:
             "Finished jobs deleted by retention (--retention-max-age-s, --retention-max-jobs).",
             registry=self.registry,
         )
+        # Per tenant, so kept here and shown per caller (a registry's counters are all or none).
+        self.queue_full_refusals: collections.Counter[str] = collections.Counter()
+        self.job_retries: collections.Counter[str] = collections.Counter()
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
         self.http_duration.labels(route).observe(duration_s)
 
+    def observe_queue_full(self, tenant: str) -> None:
+        """A submit of `tenant` was refused: 429 queue_full."""
+        self.queue_full_refusals[tenant] += 1
+
+    def observe_job_events(self, events: Iterable[JobEvent]) -> None:
+        """Count the retries of each job whose end is among `events` (the archive's, as
+        committed): its attempts after the first. The server learns a job's attempts from its
+        record, which it reads at the job's end, so a retry is counted when its job ends."""
+        for event in events:
+            record = event.record
+            if (
+                event.type is JobEventType.STATUS
+                and record is not None
+                and record.status.is_terminal()
+                and len(record.attempts) > 1
+            ):
+                self.job_retries[record.tenant] += len(record.attempts) - 1
+
     def exposition(
-        self, by_tenant: Mapping[str, Mapping[JobStatus, int]], *, server_wide: bool
+        self,
+        by_tenant: Mapping[str, Mapping[JobStatus, int]],
+        queue: QueueState,
+        *,
+        server_wide: bool,
     ) -> bytes:
-        """The text exposition format: the job counts `by_tenant` (every status of each of its
-        tenants, zeros included), after the server-wide series if `server_wide`."""
-        jobs = CollectorRegistry(auto_describe=False)
-        jobs.register(_JobCounts(by_tenant))
-        text = generate_latest(jobs)
+        """The text exposition format: the per-tenant series of the tenants of `by_tenant` (its
+        job counts, every status, zeros included), the queue's caps, and the server-wide series
+        first if `server_wide`."""
+        scraped = CollectorRegistry(auto_describe=False)
+        scraped.register(_JobCounts(by_tenant))
+        scraped.register(_QueueSeries(sorted(by_tenant), queue, self))
+        text = generate_latest(scraped)
         return generate_latest(self.registry) + text if server_wide else text
 
 
@@ -64,7 +111,7 @@ class _JobCounts(Collector):
     def __init__(self, by_tenant: Mapping[str, Mapping[JobStatus, int]]) -> None:
         self._by_tenant = by_tenant
 
-    def collect(self) -> list[GaugeMetricFamily]:
+    def collect(self) -> list[Metric]:
         gauge = GaugeMetricFamily(
             "jobs_server_jobs",
             "Jobs the server knows, by tenant and status.",
@@ -74,6 +121,82 @@ class _JobCounts(Collector):
             for status in JobStatus:
                 gauge.add_metric([tenant, status.value], counts.get(status, 0))
         return [gauge]
+
+
+def _cap(value: int | None) -> float:
+    return math.inf if value is None else float(value)
+
+
+class _QueueSeries(Collector):
+    """The queue's series of one scrape: per tenant of `tenants` only, and the server's caps."""
+
+    def __init__(self, tenants: list[str], queue: QueueState, metrics: ServerMetrics) -> None:
+        self._tenants = tenants
+        self._queue = queue
+        self._metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        queued = GaugeMetricFamily(
+            "jobs_server_queued_jobs",
+            "Jobs waiting in the queue (PENDING behind a cap), by tenant.",
+            labels=["tenant"],
+        )
+        holding = GaugeMetricFamily(
+            "jobs_server_slot_holding_jobs",
+            "Jobs holding a running slot (handed to a supervisor, not yet ended; counted"
+            " against --max-running-jobs and the tenant's max_running), by tenant.",
+            labels=["tenant"],
+        )
+        tenant_max_running = GaugeMetricFamily(
+            "jobs_server_tenant_max_running_jobs",
+            "A tenant's own max_running (tokens file); +Inf: none of its own.",
+            labels=["tenant"],
+        )
+        tenant_max_queued = GaugeMetricFamily(
+            "jobs_server_tenant_max_queued_jobs",
+            "A tenant's own max_queued (tokens file); +Inf: none of its own.",
+            labels=["tenant"],
+        )
+        refusals = CounterMetricFamily(
+            "jobs_server_queue_full_refusals",
+            "Submits refused with 429 queue_full (nothing recorded), by tenant.",
+            labels=["tenant"],
+        )
+        retries = CounterMetricFamily(
+            "jobs_server_job_retries",
+            "Retries (attempts after the first) of the jobs that ended, counted at their end,"
+            " by tenant.",
+            labels=["tenant"],
+        )
+        for tenant in self._tenants:
+            queued_jobs, holding_jobs = self._queue.occupancy.get(tenant, (0, 0))
+            queued.add_metric([tenant], queued_jobs)
+            holding.add_metric([tenant], holding_jobs)
+            limits = self._queue.tenant_limits.get(tenant, TenantLimits())
+            tenant_max_running.add_metric([tenant], _cap(limits.max_running))
+            tenant_max_queued.add_metric([tenant], _cap(limits.max_queued))
+            refusals.add_metric([tenant], self._metrics.queue_full_refusals[tenant])
+            retries.add_metric([tenant], self._metrics.job_retries[tenant])
+        max_running = GaugeMetricFamily(
+            "jobs_server_max_running_jobs",
+            "The server's --max-running-jobs; +Inf: unlimited.",
+            value=_cap(self._queue.max_running),
+        )
+        max_queued = GaugeMetricFamily(
+            "jobs_server_max_queued_jobs",
+            "The server's --max-queued-jobs; +Inf: unlimited.",
+            value=_cap(self._queue.max_queued),
+        )
+        return [
+            queued,
+            holding,
+            max_running,
+            max_queued,
+            tenant_max_running,
+            tenant_max_queued,
+            refusals,
+            retries,
+        ]
 
 
 def route_name(request: web.Request) -> str:

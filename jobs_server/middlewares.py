@@ -25,6 +25,7 @@ from jobs_server.errors import (
     PackageNotFoundError,
     PayloadTooLargeError,
     PermissionDeniedError,
+    QueueFullError,
     TooManyRequestsError,
     UnsupportedMediaTypeError,
 )
@@ -86,6 +87,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     try:
         return await handler(request)
     except JobsServerError as error:
+        if isinstance(error, QueueFullError):
+            request.app[METRICS_KEY].observe_queue_full(request[PRINCIPAL_KEY].tenant)
         response = error_response(status_for(error), error.code, error.message)
         response.headers.update(error.response_headers())
         return response

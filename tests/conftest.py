@@ -25,6 +25,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.fakes import FakeJobManager
+from tests.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
 
 # Test clusters are not about Ray's own token authentication.
 os.environ["RAY_AUTH_MODE"] = "disabled"

@@ -244,6 +244,9 @@ class FakeJobManager:
                 of_tenant[record.status] = of_tenant.get(record.status, 0) + 1
         return counts
 
+    def queue_occupancy(self) -> dict[str, tuple[int, int]]:
+        return {}  # no caps: nothing queued, and no slots are counted
+
     async def stop_job(
         self,
         submission_id: str,

@@ -7,7 +7,7 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,9 +67,13 @@ class TenantServer:
 
 
 def run_tenant_server(
-    ray_address: str, workdir: Path, limits: str = DEFAULT_LIMITS_TOML
+    ray_address: str,
+    workdir: Path,
+    limits: str = DEFAULT_LIMITS_TOML,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[TenantServer]:
-    """Start a server with a fresh tokens file in `workdir`; stop it (and its actors) after."""
+    """Start a server with a fresh tokens file in `workdir` (and `extra_args` on its command
+    line); stop it (and its actors) after."""
     keys = {name: new_api_key() for name in KEY_SPECS}
     tokens_file = workdir / "tokens.toml"
     tokens_file.write_text(tokens_toml(keys, KEY_SPECS, limits))
@@ -90,6 +94,7 @@ def run_tenant_server(
             "1",
             "--tokens-file",
             str(tokens_file),
+            *extra_args,
         ],
         log_path,
         env={**os.environ, "JOBS_SERVER_AUTH_TOKEN": AUTH_TOKEN},

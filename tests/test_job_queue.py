@@ -235,3 +235,26 @@ def test_unlimited_by_default() -> None:
     queue = JobQueue()
     assert all(queue.admit(job(f"j{n}")) is Admission.START for n in range(1000))
     assert queue.running == 1000
+
+
+def test_occupancy_counts_queued_places_and_held_slots_by_tenant() -> None:
+    """What /metrics shows: a place reserved by a submit still being archived counts as queued
+    (it is refused a place like any other), a slot as held until its run is freed; a tenant
+    with neither is left out."""
+    queue, running = full_queue(max_running=2)
+    waiting = queued(queue, job("a-1", tenant="a"))
+    reserved = job("a-2", tenant="a")
+    assert queue.admit(reserved) is Admission.QUEUE  # its row is being archived
+    other = queued(queue, job("b-1", tenant="b"))
+    only_reserved = job("c-1", tenant="c")
+    assert queue.admit(only_reserved) is Admission.QUEUE
+    assert queue.occupancy() == {"busy": (0, 2), "a": (2, 0), "b": (1, 0), "c": (1, 0)}
+    queue.cancel(only_reserved, Admission.QUEUE)
+    assert queue.free(running[0])
+    assert queue.next_to_dispatch() == waiting
+    assert queue.occupancy() == {"busy": (0, 1), "a": (1, 1), "b": (1, 0)}
+    queue.cancel(reserved, Admission.QUEUE)
+    assert queue.withdraw(other.submission_id, other.run_id) == other
+    assert queue.free(running[1])
+    assert queue.free(waiting)
+    assert queue.occupancy() == {}

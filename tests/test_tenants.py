@@ -269,10 +269,16 @@ async def test_metrics_show_only_the_callers_tenant(
     await wait_until_terminal(session, server, job_a)
     admin = await scrape(session, server, "ops-admin")
     for caller in ("a-read", "a-submit"):
-        samples = await scrape(session, server, caller)
-        # Its tenant's job series, all statuses, counted as the admin counts them; nothing else.
-        assert {name for name, _ in samples} == {"jobs_server_jobs"}
-        assert {dict(labels)["tenant"] for _, labels in samples} == {"team-a"}
+        found = await scrape(session, server, caller)
+        # Its tenant's series, and the server's caps (without labels, the same for every key);
+        # nothing of another tenant's, nor the server-wide traffic series.
+        assert {dict(labels)["tenant"] for _, labels in found if labels} == {"team-a"}
+        assert {name for name, labels in found if not labels} == {
+            "jobs_server_max_running_jobs",
+            "jobs_server_max_queued_jobs",
+        }
+        # Its tenant's job series, all statuses, counted as the admin counts them.
+        samples = {key: value for key, value in found.items() if key[0] == "jobs_server_jobs"}
         assert len(samples) == 5
         # Every team-a job counted once, whatever its status now (a status may change between
         # two reads; the number of jobs does not).

@@ -7,18 +7,16 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import shutil
 import statistics
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
-from playwright.async_api import Browser, ConsoleMessage, Dialog, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, expect
 from pydantic import SecretStr
 
 from jobs_server.app import create_app
@@ -27,6 +25,7 @@ from jobs_server.routes.ui import CONTENT_SECURITY_POLICY
 from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
 from tests.fakes import FakeJobManager
+from tests.web_page import UI_TIMEOUT_MS, open_page
 
 # README's screenshot is rewritten only when asked (`JOBS_SERVER_UPDATE_SCREENSHOT=1`): each run's
 # image differs (ids, times), and a test run must not leave the checkout changed.
@@ -39,69 +38,10 @@ def screenshot_path(tmp_path: Path) -> Path:
     return tmp_path / "screenshot.png"
 
 
-# Generous: a job starts in about a second, but the machine is shared.
-UI_TIMEOUT_MS = 30_000
 PAGE_POLL_S = 0.02
 XSS_PAYLOADS = ("<script>alert(1)</script>", "<img src=x onerror=alert(2)>")
 STATUS_FIELD = '[data-field="status"]'
 WEB_TOKEN = f"web-{uuid.uuid4().hex}"
-expect.set_options(timeout=UI_TIMEOUT_MS)
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator[Browser]:
-    """Chromium from the distribution (`apt-get install chromium`); Playwright downloads none."""
-    executable = shutil.which("chromium")
-    assert executable is not None, "install Debian's chromium: apt-get install -y chromium"
-    async with async_playwright() as playwright:
-        browser = await playwright.chromium.launch(executable_path=executable)
-        try:
-            yield browser
-        finally:
-            await browser.close()
-
-
-@dataclass
-class PageWatch:
-    """What a page said that it should not: console errors, uncaught errors, dialogs."""
-
-    page: Page
-    console_errors: list[str] = field(default_factory=list)
-    page_errors: list[str] = field(default_factory=list)
-    dialogs: list[str] = field(default_factory=list)
-    requested_paths: list[str] = field(default_factory=list)
-
-    def assert_clean(self, *, allowed_console: re.Pattern[str] | None = None) -> None:
-        unexpected = [
-            message
-            for message in self.console_errors
-            if allowed_console is None or not allowed_console.search(message)
-        ]
-        assert unexpected == [], f"console errors: {self.console_errors}"
-        assert self.page_errors == [], "uncaught errors in the page"
-        assert self.dialogs == [], "dialogs the page opened"
-
-
-async def open_page(browser: Browser, client: TestClient[Any, Any], path: str = "/") -> PageWatch:
-    context = await browser.new_context(viewport={"width": 1280, "height": 720})
-    page = await context.new_page()
-    page.set_default_timeout(UI_TIMEOUT_MS)
-    watch = PageWatch(page)
-
-    def on_console(message: ConsoleMessage) -> None:
-        if message.type == "error":
-            watch.console_errors.append(f"{message.text} ({message.location.get('url')})")
-
-    async def on_dialog(dialog: Dialog) -> None:
-        watch.dialogs.append(dialog.message)
-        await dialog.dismiss()
-
-    page.on("console", on_console)
-    page.on("pageerror", lambda error: watch.page_errors.append(str(error)))
-    page.on("dialog", on_dialog)
-    page.on("request", lambda request: watch.requested_paths.append(request.url))
-    await page.goto(str(client.make_url(path)))
-    return watch
 
 
 async def events_status(client: TestClient[Any, Any]) -> int:

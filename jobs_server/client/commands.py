@@ -86,6 +86,28 @@ def add_client_commands(commands: Any) -> None:
         metavar="KEY=VALUE",
         help="a metadata entry of the job (repeat for more)",
     )
+    queue = submit.add_argument_group("queue and retries (checked by the server)")
+    queue.add_argument(
+        "--priority",
+        type=int,
+        metavar="N",
+        help="among queued jobs, higher runs first (default 0; the server says the bounds)",
+    )
+    queue.add_argument(
+        "--max-retries",
+        type=int,
+        metavar="N",
+        help="failed attempts retried after the first (default 0)",
+    )
+    queue.add_argument(
+        "--retry-on-exit-code",
+        type=int,
+        action="append",
+        dest="retry_on_exit_codes",
+        metavar="CODE",
+        help="retry only an attempt that exits with CODE (repeat for more; default: any"
+        " non-zero code)",
+    )
     submit.add_argument("cmd", nargs="+", metavar="CMD", help="the command, after `--`")
     submit.set_defaults(client_command=run_submit)
 
@@ -165,6 +187,9 @@ async def run_submit(client: JobsClient, args: argparse.Namespace) -> int:
         body["runtime_env"] = runtime_env
     if args.metadata:
         body["metadata"] = dict(args.metadata)
+    for field in ("priority", "max_retries", "retry_on_exit_codes"):
+        if getattr(args, field) is not None:
+            body[field] = getattr(args, field)
     job_id = await client.submit_job(body)
     if args.follow:
         print(f"jobs-server: submitted {job_id}", file=sys.stderr, flush=True)

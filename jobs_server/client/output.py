@@ -35,7 +35,8 @@ def print_job_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
 
 
 def print_job(job: dict[str, Any], out: TextIO) -> None:
-    """One job's details, a field a line; the message last (it may be long)."""
+    """One job's details, a field a line (an attempt of its command a line); the message last
+    (it may be long)."""
     fields = [
         ("submission_id", job.get("submission_id")),
         ("status", job.get("status")),
@@ -46,10 +47,29 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
         ("error_type", job.get("error_type")),
     ]
     fields += [(f"metadata.{key}", value) for key, value in (job.get("metadata") or {}).items()]
+    fields += [("priority", job.get("priority")), ("max_retries", job.get("max_retries"))]
+    if job.get("retry_on_exit_codes"):
+        fields.append(("retry_on", ", ".join(map(str, job["retry_on_exit_codes"]))))
+    fields += [
+        (f"attempt.{number}", describe_attempt(attempt))
+        for number, attempt in enumerate(job.get("attempts") or [], start=1)
+    ]
     fields.append(("message", job.get("message")))
     for name, value in fields:
         if value not in (None, "", "-"):
             out.write(f"{name + ':':15}{value}\n")
+
+
+def describe_attempt(attempt: dict[str, Any]) -> str:
+    """One attempt of the command on a line: when it ran, how it ended, where its log begins."""
+    started = format_time(attempt.get("start_time"))
+    if attempt.get("end_time") is None:
+        ran = f"{started}, running"
+    else:
+        exit_code = attempt.get("exit_code")
+        ended = "no exit code" if exit_code is None else f"exit code {exit_code}"
+        ran = f"{started} to {format_time(attempt['end_time'])}, {ended}"
+    return f"{ran}, log from byte {attempt.get('log_offset')}"
 
 
 def format_time(epoch_ms: Any) -> str:

@@ -68,6 +68,10 @@ class JobManagerApi(Protocol):
         """How many jobs of each status, by tenant (the metrics' `tenant` label)."""
         ...
 
+    def queue_occupancy(self) -> dict[str, tuple[int, int]]:
+        """(jobs queued, jobs holding a running slot) by tenant, of the tenants with either."""
+        ...
+
     async def stop_job(
         self,
         submission_id: str,

@@ -301,6 +301,10 @@ class JobManager:
         record is read."""
         return await count_jobs_by_tenant(self._archive, self._store, tenant, queued=self._queue)
 
+    def queue_occupancy(self) -> dict[str, tuple[int, int]]:
+        """(jobs queued, jobs holding a running slot) by tenant: the metrics' queue gauges."""
+        return self._queue.occupancy()
+
     async def stop_job(
         self,
         submission_id: str,

@@ -163,6 +163,15 @@ class JobQueue:
     def __contains__(self, submission_id: object) -> bool:
         return submission_id in self._queued
 
+    def occupancy(self) -> dict[str, tuple[int, int]]:
+        """(jobs queued, jobs holding a running slot) by tenant, of the tenants with either."""
+        tenants = set(self._tenants) | set(self._running_by_tenant) | set(self._reserved_by_tenant)
+        occupancy = {
+            tenant: (self._tenant_places(tenant), self._running_by_tenant[tenant])
+            for tenant in tenants
+        }
+        return {tenant: counts for tenant, counts in occupancy.items() if counts != (0, 0)}
+
     def _queued_places(self) -> int:
         return len(self._queued) + sum(self._reserved_by_tenant.values())
 

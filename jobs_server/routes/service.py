@@ -18,7 +18,9 @@ from jobs_server.keys import (
     KEY_RING_KEY,
     METRICS_KEY,
     PRINCIPAL_KEY,
+    SETTINGS_KEY,
 )
+from jobs_server.metrics import QueueState
 from jobs_server.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
@@ -44,16 +46,25 @@ async def healthz(request: web.Request) -> web.Response:
 
 @routes.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
-    """Prometheus text exposition: jobs by tenant and status (the caller's tenant only, unless
-    an admin calls); HTTP requests by route (to an admin only: they count every tenant's)."""
+    """Prometheus text exposition: jobs by tenant and status and the queue's series (the
+    caller's tenant only, unless an admin calls) and caps; HTTP requests by route (to an admin
+    only: they count every tenant's)."""
     scope = request[PRINCIPAL_KEY].tenant_scope
     # Counted in the archive: a scrape never reads the whole history.
     counts = await request.app[JOB_MANAGER_KEY].count_by_tenant(tenant=scope)
+    keys = request.app[KEY_RING_KEY]
     # Every tenant a key names has its series, zeros before its first job.
-    for tenant in request.app[KEY_RING_KEY].tenants if scope is None else {scope}:
+    for tenant in keys.tenants if scope is None else {scope}:
         counts.setdefault(tenant, {})
+    settings = request.app[SETTINGS_KEY]
+    queue = QueueState(
+        occupancy=request.app[JOB_MANAGER_KEY].queue_occupancy(),
+        max_running=settings.max_running_jobs,
+        max_queued=settings.max_queued_jobs,
+        tenant_limits={tenant: keys.limits_for(tenant) for tenant in counts},
+    )
     return web.Response(
-        body=request.app[METRICS_KEY].exposition(counts, server_wide=scope is None),
+        body=request.app[METRICS_KEY].exposition(counts, queue, server_wide=scope is None),
         headers={"Content-Type": CONTENT_TYPE_LATEST},
     )
 

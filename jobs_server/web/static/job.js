@@ -1,5 +1,6 @@
 // One job: its details, its log following live (SSE, resumed by byte offset), a download,
-// Stop and Delete behind a confirmation, the exit code and the message.
+// Stop and Delete behind a confirmation, the exit code and the message; with retries, its
+// attempts, each one's part of the log a click away (their log offsets split the log).
 
 import { authHeaders, getJson, jobPath, request, sendJson } from "./api.js";
 import { announce, confirmAction, el, formatTime, replaceChildren, statusBadge } from "./dom.js";
@@ -7,6 +8,24 @@ import { watchJobs } from "./events.js";
 import { followEventStream } from "./sse.js";
 
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "STOPPED"]);
+// A queued job's place and a retried job's attempts change with no event of their own: such a
+// job is read again this often.
+const QUIET_CHANGES_REFRESH_MS = 5000;
+
+/** What a job's retry options say: "up to 2, on exit codes 3, 137". */
+function retriesText(job) {
+  if (!job.max_retries) return "none";
+  const codes = job.retry_on_exit_codes;
+  return `up to ${job.max_retries}, on ${codes ? `exit codes ${codes.join(", ")}` : "any non-zero exit code"}`;
+}
+
+/** The text-log URL of attempt `index`: from its offset to the next attempt's (or the end). */
+function attemptLogPath(jobId, attempts, index) {
+  const offset = attempts[index].log_offset;
+  const next = attempts[index + 1];
+  const limit = next ? `&limit=${next.log_offset - offset}` : "";
+  return `${jobPath(jobId)}/logs?format=text&offset=${offset}${limit}`;
+}
 
 export function renderJob(main, jobId, { signal, onError }) {
   const heading = el("h1", {}, "Job ", el("code", {}, jobId));
@@ -19,17 +38,66 @@ export function renderJob(main, jobId, { signal, onError }) {
   const error = el("p", { class: "error", role: "alert", id: "job-error" });
   const log = el("pre", { id: "job-log", class: "log", tabindex: "0", "aria-label": "Log" });
   const logState = el("p", { id: "log-state", class: "log-state" }, "Following the log…");
+  const attemptsSection = el("section", { id: "attempts", "aria-labelledby": "attempts-title", hidden: true });
+  const attemptLogTitle = el("h3", { id: "attempt-log-title" });
+  const attemptLog = el("pre", {
+    id: "attempt-log", class: "log", tabindex: "0", "aria-labelledby": "attempt-log-title",
+  });
+  const attemptLogSection = el("section", { hidden: true }, attemptLogTitle, attemptLog);
   let job = null;
+  let quietTimer = null;
+  signal.addEventListener("abort", () => clearTimeout(quietTimer));
 
   replaceChildren(main, heading, error, details,
     el("div", { class: "actions" }, stop, remove, download),
+    attemptsSection, attemptLogSection,
     el("h2", {}, "Log"), logState, log);
+
+  async function showAttemptLog(index, path) {
+    try {
+      const text = await (await request(path, { signal })).text();
+      attemptLogTitle.textContent = `Log of attempt ${index + 1}`;
+      attemptLog.textContent = text; // as text: output is shown, never run
+      attemptLogSection.hidden = false;
+      attemptLog.focus();
+    } catch (failure) {
+      if (!signal.aborted) error.textContent = failure.message;
+    }
+  }
+
+  function renderAttempts() {
+    const attempts = job.attempts ?? [];
+    attemptsSection.hidden = !(job.max_retries > 0 || attempts.length > 1);
+    if (attemptsSection.hidden) return;
+    const rows = attempts.map((attempt, index) => {
+      const path = attemptLogPath(jobId, attempts, index);
+      const link = el("a", { href: path }, `Log of attempt ${index + 1}`);
+      link.addEventListener("click", (event) => {
+        event.preventDefault(); // shown here, with the key, not as a page of its own
+        showAttemptLog(index, path);
+      });
+      return el("tr", { "data-attempt": index + 1 },
+        el("td", {}, index + 1),
+        el("td", {}, formatTime(attempt.start_time)),
+        el("td", {}, formatTime(attempt.end_time)),
+        el("td", {}, attempt.exit_code ?? ""),
+        el("td", {}, link));
+    });
+    replaceChildren(attemptsSection,
+      el("h2", { id: "attempts-title" }, "Attempts"),
+      el("table", { class: "jobs attempts" },
+        el("thead", {}, el("tr", {}, ["Attempt", "Started", "Ended", "Exit code", "Log"]
+          .map((name) => el("th", { scope: "col" }, name)))),
+        el("tbody", {}, rows)));
+  }
 
   function renderDetails() {
     const rows = [
       ["Status", statusBadge(job.status)],
       ["Message", job.message ?? ""],
       ["Exit code", job.driver_exit_code ?? ""],
+      ["Priority", job.priority ?? 0],
+      ["Retries", retriesText(job)],
       ["Entrypoint", el("code", {}, job.entrypoint)],
       ["Submission id", job.submission_id],
       ["Started", formatTime(job.start_time)],
@@ -45,6 +113,10 @@ export function renderJob(main, jobId, { signal, onError }) {
     const terminal = TERMINAL.has(job.status);
     stop.disabled = terminal;
     remove.disabled = !terminal;
+    renderAttempts();
+    clearTimeout(quietTimer);
+    const changesQuietly = job.status === "PENDING" || (!terminal && job.max_retries > 0);
+    if (changesQuietly && !signal.aborted) quietTimer = setTimeout(refresh, QUIET_CHANGES_REFRESH_MS);
   }
 
   async function refresh() {

@@ -1,4 +1,5 @@
-// The submit form: entrypoint, id, env_vars, metadata, a working_dir URL and resources.
+// The submit form: entrypoint, id, env_vars, metadata, a working_dir URL, resources, and the
+// queue's priority and retries.
 
 import { sendJson } from "./api.js";
 import { el, replaceChildren } from "./dom.js";
@@ -33,6 +34,20 @@ function number(value, what, { integer = false } = {}) {
   return parsed;
 }
 
+/** A whole number as typed; anything else goes to the server as typed, for its own message
+ * (it is the one that checks the bounds, and says them). */
+function integerOrText(value) {
+  const text = value.trim();
+  if (text === "") return undefined;
+  return /^[+-]?\d+$/.test(text) ? Number(text) : text;
+}
+
+/** Exit codes separated by commas or spaces; each one checked by the server. */
+function exitCodes(value) {
+  const codes = value.split(/[\s,]+/).filter(Boolean).map(integerOrText);
+  return codes.length ? codes : undefined;
+}
+
 export function renderSubmitForm(main) {
   const control = (tag, attributes) => el(tag, { name: attributes.id, ...attributes });
   const entrypoint = control("textarea", { id: "entrypoint", rows: 3, required: true, spellcheck: "false" });
@@ -44,6 +59,9 @@ export function renderSubmitForm(main) {
   const gpus = control("input", { id: "num-gpus", inputmode: "decimal" });
   const memory = control("input", { id: "memory", inputmode: "numeric" });
   const resources = control("textarea", { id: "resources", rows: 2, spellcheck: "false" });
+  const priority = control("input", { id: "priority", inputmode: "numeric", autocomplete: "off" });
+  const maxRetries = control("input", { id: "max-retries", inputmode: "numeric", autocomplete: "off" });
+  const retryCodes = control("input", { id: "retry-on-exit-codes", autocomplete: "off" });
   const error = el("p", { class: "error", role: "alert", id: "submit-error" });
   const submitButton = el("button", { type: "submit" }, "Submit job");
 
@@ -58,6 +76,11 @@ export function renderSubmitForm(main) {
       field("num-gpus", "GPUs", gpus),
       field("memory", "Memory (bytes)", memory),
       field("resources", "Custom resources", resources, "One name=amount per line.")),
+    el("fieldset", {}, el("legend", {}, "Queue and retries"),
+      field("priority", "Priority", priority, "A whole number; higher runs first among its tenant's queued jobs. Default 0."),
+      field("max-retries", "Max retries", maxRetries, "Failed attempts retried after the first. Default 0."),
+      field("retry-on-exit-codes", "Retry on exit codes", retryCodes,
+        "Separated by commas, e.g. 1, 137. Empty: any non-zero code is retried.")),
     error, submitButton);
 
   form.addEventListener("submit", async (event) => {
@@ -81,6 +104,9 @@ export function renderSubmitForm(main) {
       const custom = Object.fromEntries(Object.entries(parsePairs(resources.value, "Custom resources"))
         .map(([name, amount]) => [name, number(amount, `Custom resource ${name}`)]));
       if (Object.keys(custom).length) body.entrypoint_resources = custom;
+      body.priority = integerOrText(priority.value);
+      body.max_retries = integerOrText(maxRetries.value);
+      body.retry_on_exit_codes = exitCodes(retryCodes.value);
     } catch (failure) {
       error.textContent = failure.message;
       return;
