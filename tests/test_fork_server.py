@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
@@ -19,8 +20,13 @@ import pytest
 
 from jobs_server.manager import fork_server as fork_server_module
 from jobs_server.manager.containment import Containment
-from jobs_server.manager.fork_server import FORK_SERVER_DIED, ForkedProcess, ForkServer
-from jobs_server.manager.process import find_job_processes, kill_job_processes, signal_job_processes
+from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
+from jobs_server.manager.process import (
+    become_child_subreaper,
+    find_job_processes,
+    kill_job_processes,
+    signal_job_processes,
+)
 from tests.test_stopping import ESCAPED_SHELLS, MANY_THEN_FINISHES
 
 CONTAINMENTS = [
@@ -35,16 +41,21 @@ CONTAINMENTS = [
 ]
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = os.path.realpath(sys.executable)
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @pytest.fixture
 async def forks() -> AsyncIterator[ForkServer]:
+    """A fork server of this test process, made a child subreaper for the test (as a
+    supervisor is): the launchers are re-parented to it."""
+    assert become_child_subreaper()
     server = ForkServer("fork-server-test")
     server.start()
     try:
         yield server
     finally:
         server.close()
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 def job_env(job_token: str) -> dict[str, str]:
@@ -135,6 +146,8 @@ async def test_a_forked_job_runs_with_its_own_environment_and_session(
         await wait_until(lambda: log_path.read_bytes(), "the job wrote nothing")
         assert log_path.read_text() == "own-env yes\n"
         assert os.getsid(process.pid) == process.pid  # a session of its own
+        # The supervisor's child (re-parented), as a launcher it starts itself is.
+        assert psutil.Process(process.pid).ppid() == os.getpid()
         assert os.getsid(process.pid) != os.getsid(forks.pid or 0)
     finally:
         await kill_job_processes("own-env", process.pid, containment=containment)
@@ -184,48 +197,76 @@ async def test_a_job_that_cannot_start_raises_and_leaves_nothing(
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
-async def test_a_killed_fork_server_leaves_no_job_process_and_is_replaced(
+async def test_jobs_run_on_when_their_fork_server_is_killed_and_the_next_starts_a_new_one(
     forks: ForkServer, tmp_path: Path, containment: Containment
 ) -> None:
-    """SIGKILL to the fork server kills every launcher it forked (their parent-death signal),
-    and so every job in a namespace; its jobs end as killed by SIGKILL, saying why."""
-    markers = [f"JOBS_SERVER_JOB_TOKEN=zygote-killed-{containment}-{i}" for i in range(5)]
     processes = [
         await forks.spawn(
-            "sleep 60 & sleep 60; echo never",
+            "sleep 60; echo finished",
             log_path=tmp_path / f"{index}.log",
-            env={**os.environ, "JOBS_SERVER_JOB_TOKEN": marker.partition("=")[2]},
+            env=job_env(f"zygote-killed-{index}"),
             containment=containment,
         )
-        for index, marker in enumerate(markers)
+        for index in range(3)
     ]
-    shells = [process.pid for process in processes]
     zygote = forks.pid
     assert zygote is not None
-    try:
-        os.kill(zygote, signal.SIGKILL)
-        codes = [await asyncio.wait_for(process.wait(), 15) for process in processes]
-        assert codes == [-signal.SIGKILL] * len(processes)
-        assert {process.ended_by for process in processes} == {FORK_SERVER_DIED}
-        await wait_until(
-            lambda: not any(map(is_alive, shells)), "a launcher outlived its fork server"
-        )
-        if containment is Containment.PID_NAMESPACE:
-            await wait_until(
-                lambda: not any(map(marked_processes, markers)),
-                "a namespaced job process outlived its fork server",
-            )
-    finally:
-        # Without a namespace, the shells' children are orphans now: the supervisor's scan
-        # finds them (a subreaper); this test process is none.
-        for marker in markers:
-            for pid in marked_processes(marker):
-                os.kill(pid, signal.SIGKILL)
+    os.kill(zygote, signal.SIGKILL)
+    await wait_until(lambda: forks.pid is None, "the fork server's death went unnoticed")
     process = await forks.spawn(
         "exit 5", log_path=tmp_path / "next.log", env={}, containment=containment
     )
     assert await process.wait() == 5
     assert forks.pid not in (None, zygote)
+    assert [process.returncode for process in processes] == [None] * len(processes)
+    for index, process in enumerate(processes):
+        signal_job_processes(
+            f"zygote-killed-{index}", signal.SIGTERM, process.pid, containment=containment
+        )
+    codes = [await asyncio.wait_for(process.wait(), 15) for process in processes]
+    assert codes == [-signal.SIGTERM] * len(processes)
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_job_the_fork_server_was_starting_when_it_died_leaves_nothing(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """Killed in the middle of a burst of starts: each job either runs (and is awaited as
+    any), or failed to start and none of its processes is left."""
+    markers = [f"JOBS_SERVER_JOB_TOKEN=dies-starting-{containment}-{i}" for i in range(100)]
+    starts = [
+        asyncio.ensure_future(
+            forks.spawn(
+                "sleep 60",
+                log_path=tmp_path / f"{index}.log",
+                env={**os.environ, "JOBS_SERVER_JOB_TOKEN": marker.partition("=")[2]},
+                containment=containment,
+            )
+        )
+        for index, marker in enumerate(markers)
+    ]
+    # Once one has started, the others are being started.
+    await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+    assert forks.pid is not None
+    os.kill(forks.pid, signal.SIGKILL)
+    ended = await asyncio.gather(*starts, return_exceptions=True)
+    failed = [
+        marker for marker, end in zip(markers, ended, strict=True) if isinstance(end, BaseException)
+    ]
+    started = [end for end in ended if isinstance(end, ForkedProcess)]
+    assert len(started) + len(failed) == len(markers)
+    assert started
+    assert failed
+    assert {type(end) for end in ended if isinstance(end, BaseException)} <= {ForkServerDiedError}
+    try:
+        await wait_until(
+            lambda: not any(map(marked_processes, failed)), "a job that failed to start runs"
+        )
+        assert [process.returncode for process in started] == [None] * len(started)
+    finally:
+        for process in started:
+            await kill_job_processes("unused", process.pid, containment=containment)
+            await process.wait()
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
@@ -272,18 +313,27 @@ async def test_escaped_shells_of_a_forked_job_are_found_and_killed(
     assert log_path.read_text() == "ready\n"
 
 
+# A supervisor's processes as supervisor.py prepares them: the guardian, a subreaper, the fork
+# server; then one job.
 SUPERVISOR_SCRIPT = """
 import asyncio, os, subprocess, sys, time
 from pathlib import Path
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
+from jobs_server.manager.process import become_child_subreaper
 
 async def main():
-    forks = ForkServer("supervisor-dies")
+    token = sys.argv[4]
+    if sys.argv[5] == "guardian":
+        guardian = start_guardian(token)
+    become_child_subreaper()
+    forks = ForkServer(token)
     forks.start()
     process = await forks.spawn(
         "sleep 600; echo never", log_path=Path(sys.argv[1]),
-        env={"JOBS_SERVER_JOB_TOKEN": sys.argv[4]}, containment=Containment(sys.argv[2]),
+        env={"JOBS_SERVER_JOB_TOKEN": token, SUPERVISOR_TOKEN_ENV_VAR: token},
+        containment=Containment(sys.argv[2]),
     )
     if sys.argv[3] == "keep-requests-open":
         # Another process holds the request pipe: no EOF, only the parent-death signal.
@@ -296,11 +346,20 @@ asyncio.run(main())
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
-@pytest.mark.parametrize("requests", ["close-requests", "keep-requests-open"])
+@pytest.mark.parametrize(
+    ("requests", "guardian"),
+    [
+        # Each way the fork server learns its supervisor died, alone: EOF on its requests,
+        # its parent-death signal (the guardian would kill it too).
+        ("close-requests", "no-guardian"),
+        ("keep-requests-open", "no-guardian"),
+        ("close-requests", "guardian"),
+    ],
+)
 def test_the_fork_server_and_its_jobs_die_with_the_supervisor(
-    tmp_path: Path, containment: Containment, requests: str
+    tmp_path: Path, containment: Containment, requests: str, guardian: str
 ) -> None:
-    marker = f"JOBS_SERVER_JOB_TOKEN=supervisor-dies-{containment}-{requests}"
+    marker = f"JOBS_SERVER_JOB_TOKEN=supervisor-dies-{containment}-{requests}-{guardian}"
     supervisor = subprocess.Popen(
         [
             sys.executable,
@@ -310,6 +369,7 @@ def test_the_fork_server_and_its_jobs_die_with_the_supervisor(
             containment,
             requests,
             marker.partition("=")[2],
+            guardian,
         ],
         stdout=subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -328,8 +388,9 @@ def test_the_fork_server_and_its_jobs_die_with_the_supervisor(
         supervisor.kill()
         supervisor.wait()
         poll_until(lambda: not is_alive(zygote), "the fork server outlived its supervisor")
-        poll_until(lambda: not is_alive(launcher), "a launcher outlived its supervisor")
-        if containment is Containment.PID_NAMESPACE:  # else the guardian's work (guardian.py)
+        if guardian == "guardian":
+            # The launchers carry the supervisor's marker (the fork server's environment).
+            poll_until(lambda: not is_alive(launcher), "a launcher outlived its supervisor")
             poll_until(
                 lambda: not marked_processes(marker), "a job process outlived its supervisor"
             )

@@ -1,10 +1,12 @@
 """The supervisor's side of its fork server (zygote.py): one process, started once, forks the
 launcher of every job, where starting an interpreter per job cost most of a short job's CPU.
 
-One reader of the fork server's reports (on the event loop: no thread per child, no `Popen` per
-job) feeds a `ForkedProcess` per job, which stands in for an `asyncio.subprocess.Process`.
-If the fork server dies, so do its launchers (their parent-death signal) and so their jobs: each
-ends as killed by SIGKILL, and the next job starts a new fork server.
+Each launcher is re-parented to the supervisor, which must be a child subreaper: the supervisor
+reaps it (woken by a pidfd on the event loop: no thread per child, no `Popen` per job), and a
+`ForkedProcess` stands in for the `asyncio.subprocess.Process` a launcher it starts itself
+would be. One reader of the fork server's reports feeds them. If the fork server dies, the jobs
+it started run on; a job it was starting is killed and fails to start, and the next job starts
+a new fork server.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from jobs_server.manager.zygote import ZYGOTE_SOURCE
 
 logger = logging.getLogger(__name__)
 
-FORK_SERVER_DIED = "when its supervisor's fork server died"
 _READ_SIZE = 1 << 16
+# Asyncio's figure for a child whose status someone else collected.
+_UNKNOWN_EXIT_CODE = 255
 
 
 class ForkServerDiedError(OSError):
@@ -35,25 +38,39 @@ class ForkServerDiedError(OSError):
 
 
 class ForkedProcess:
-    """A job's launcher, forked by the fork server: `pid`, `returncode` and `wait()` as an
-    `asyncio.subprocess.Process` has them."""
+    """A job's launcher, forked by the fork server and re-parented to this process: `pid`,
+    `returncode` and `wait()` as an `asyncio.subprocess.Process` has them."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
-        self.ended_by = ""
-        """Why it ended, if not of itself (`FORK_SERVER_DIED`)."""
         self._exited = asyncio.Event()
+        # Readable when the process exits (opened before anything may reap it).
+        self._pidfd = os.pidfd_open(pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
 
     async def wait(self) -> int:
         await self._exited.wait()
         assert self.returncode is not None
         return self.returncode
 
-    def end(self, returncode: int, ended_by: str = "") -> None:
-        if self.returncode is None:
-            self.returncode, self.ended_by = returncode, ended_by
-            self._exited.set()
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, -1  # collected by someone else
+        if pid == 0:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
+        self._exited.set()
+
+
+def _reap_later(pid: int) -> None:
+    """Reap a launcher nobody awaits when it exits."""
+    with contextlib.suppress(OSError):  # gone already
+        ForkedProcess(pid)
 
 
 class ForkServer:
@@ -68,7 +85,7 @@ class ForkServer:
         self._partial_report = b""
         self._job_numbers = itertools.count()
         self._starting: dict[int, asyncio.Future[ForkedProcess]] = {}
-        self._running: dict[int, ForkedProcess] = {}
+        self._forked: dict[int, int] = {}  # job: launcher pid, until it is reported started
 
     @property
     def pid(self) -> int | None:
@@ -76,14 +93,16 @@ class ForkServer:
         return None if self._process is None else self._process.pid
 
     def start(self) -> None:
-        """Start the fork server (from the event loop's thread: its parent-death signal comes
-        when the thread that forked it ends)."""
+        """Start the fork server. Call it from the event loop's thread (the fork server's
+        parent-death signal comes when the thread that forked it ends) of a child subreaper.
+        Raises OSError where this host has no pidfds (Linux < 5.3)."""
+        os.close(os.pidfd_open(os.getpid()))
         env = {
             name: value
             for name, value in os.environ.items()
             if not name.upper().startswith("JOBS_SERVER_")
         }
-        # Marked as the jobs' processes are: the guardian kills it (and so its launchers) too.
+        # Marked as the jobs' processes are: the guardian kills it and its launchers too.
         env[SUPERVISOR_TOKEN_ENV_VAR] = self._supervisor_token
         process = subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", ZYGOTE_SOURCE, str(os.getpid())],
@@ -118,12 +137,11 @@ class ForkServer:
         return await started
 
     def close(self) -> None:
-        """End the fork server (and with it every launcher it forked) and wait for it."""
+        """End the fork server and wait for it (the jobs it started run on)."""
         process = self._process
-        if process is None:
-            return
-        self._died()
-        process.wait()
+        if process is not None:
+            self._died()
+            process.wait()
 
     def _send(self, data: bytes) -> None:
         self._unsent += data
@@ -152,35 +170,36 @@ class ForkServer:
         except BlockingIOError:
             return
         if not data:
-            logger.warning("the fork server died; its jobs were killed with it")
+            logger.warning("the fork server died; the next job starts a new one")
             self._died()
             return
         *lines, self._partial_report = (self._partial_report + data).split(b"\n")
         for line in lines:
-            what, job, detail = line.split(b" ", 2)
-            if what == b"started":
-                self._started(int(job), ForkedProcess(int(detail)))
-            elif what == b"exited":
-                process = self._running.pop(int(job), None)
-                if process is not None:
-                    process.end(os.waitstatus_to_exitcode(int(detail)))
+            what, job_number, detail = (line + b" ").split(b" ", 2)
+            job = int(job_number)
+            if what == b"forked":
+                self._forked[job] = int(detail)
+            elif what == b"started":
+                self._started(job, self._forked.pop(job))
             else:
-                started = self._starting.pop(int(job))
-                if not started.done():
-                    started.set_exception(OSError(detail.decode(errors="replace")))
+                pid = self._forked.pop(job, None)
+                if pid is not None:
+                    _reap_later(pid)  # the launcher that could not exec its shell
+                self._starting.pop(job).set_exception(OSError(detail.strip().decode()))
 
-    def _started(self, job: int, process: ForkedProcess) -> None:
+    def _started(self, job: int, pid: int) -> None:
+        process = ForkedProcess(pid)
         started = self._starting.pop(job)
         if started.cancelled():
             # Nobody awaits it: it must not run on unseen.
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            return
-        self._running[job] = process
-        started.set_result(process)
+                os.killpg(pid, signal.SIGKILL)
+        else:
+            started.set_result(process)
 
     def _died(self) -> None:
-        """Forget the fork server; its jobs died with it (their launchers' death signal)."""
+        """Forget the fork server. What it was starting is killed (its launcher's group: the
+        launcher, and its init or shell) and fails to start; what it started runs on."""
         process, self._process = self._process, None
         if process is None:
             return
@@ -193,11 +212,14 @@ class ForkServer:
         process.stdout.close()
         self._unsent.clear()
         self._partial_report = b""
+        for pid in self._forked.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # it may not lead its group yet
+                os.killpg(pid, signal.SIGKILL)
+            _reap_later(pid)
         for started in self._starting.values():
             if not started.done():
                 started.set_exception(ForkServerDiedError("the supervisor's fork server died"))
-        for running in self._running.values():
-            running.end(-signal.SIGKILL, FORK_SERVER_DIED)
         self._starting.clear()
-        self._running.clear()
+        self._forked.clear()
         process.poll()  # reaped now if it has ended; else by the supervisor's orphan reaping

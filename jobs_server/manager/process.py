@@ -22,10 +22,12 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import psutil
 
 from jobs_server.manager.containment import Containment, launch_argv
+from jobs_server.manager.fork_server import ForkServer
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +47,37 @@ def become_child_subreaper() -> bool:
         return False
 
 
+class CommandProcess(Protocol):
+    """A started command (its launcher, in a PID namespace), this process's child: an
+    `asyncio.subprocess.Process`, or a `ForkedProcess`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
 async def start_entrypoint(
-    entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
-) -> asyncio.subprocess.Process:
+    entrypoint: str,
+    *,
+    log_path: Path,
+    env: Mapping[str, str],
+    containment: Containment,
+    fork_server: ForkServer | None = None,
+) -> CommandProcess:
     """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log. Return once the command runs."""
+    `containment` says so); stdout and stderr go to the log. Return once the command runs.
+
+    Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
+    per job)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if fork_server is not None:
+        return await fork_server.spawn(
+            entrypoint, log_path=log_path, env=env, containment=containment
+        )
     if containment != Containment.PID_NAMESPACE:
         return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
     started_r, started_w = os.pipe()
@@ -108,16 +135,21 @@ def find_job_processes(
     parent comes before its children, the order to signal them in (see `signal_job_processes`).
 
     Orphans are re-parented to this process (a subreaper), so they are found among its own
-    children by the job's marker. Only the job's processes and this process's children are
-    read, less `other_roots` (the commands of this supervisor's other jobs): stopping fifty jobs
-    at once costs no fifty scans of every process on the node.
+    children by the job's marker, or by the session of `root_pid` (the init of a namespace
+    whose launcher died, forked by a fork server, has no marker). Only the job's processes and
+    this process's children are read, less `other_roots` (the commands of this supervisor's
+    other jobs): stopping fifty jobs at once costs no fifty scans of every process on the node.
     """
     found: dict[int, None] = {}  # an ordered set
     if root_pid is not None:
         found.update(dict.fromkeys(_tree(root_pid)))
     marker = f"{JOB_TOKEN_ENV_VAR}={job_token}".encode()
     for child in _own_children():
-        if child not in found and child not in other_roots and _environ_has(child, marker):
+        if (
+            child not in found
+            and child not in other_roots
+            and (_environ_has(child, marker) or _in_session(child, root_pid))
+        ):
             found.update(dict.fromkeys(_tree(child)))
     return [pid for pid in found if _is_alive(pid)]
 
@@ -174,6 +206,13 @@ def _environ_has(pid: int, marker: bytes) -> bool:
     try:
         with open(f"/proc/{pid}/environ", "rb") as environ:
             return marker in environ.read().split(b"\0")
+    except OSError:
+        return False
+
+
+def _in_session(pid: int, session: int | None) -> bool:
+    try:
+        return session is not None and os.getsid(pid) == session
     except OSError:
         return False
 
@@ -250,15 +289,25 @@ async def kill_job_processes(
         await asyncio.sleep(_KILL_ROUND_WAIT_S)
 
 
-def has_exited(process: asyncio.subprocess.Process) -> bool:
-    """Whether the command has exited, even if asyncio has not collected its status yet
-    (without collecting it: asyncio still does)."""
+def has_exited(process: CommandProcess) -> bool:
+    """Whether the command has exited, even if asyncio (or a `ForkedProcess`) has not
+    collected its status yet (without collecting it: they still do)."""
     if process.returncode is not None:
         return True
     try:
         return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # collected meanwhile
+
+
+def ended_with_its_namespace(process: CommandProcess, containment: Containment) -> bool:
+    """Whether nothing of the command can be left: its launcher exited (not killed by a
+    signal) after its PID namespace's init, whose end killed and reaped the whole namespace."""
+    return (
+        containment == Containment.PID_NAMESPACE
+        and process.returncode is not None
+        and process.returncode >= 0
+    )
 
 
 def reap_orphans(keep: set[int]) -> None:
@@ -289,7 +338,7 @@ class StopDeadline:
             self.at_s = at_s
             self.moved.set()
 
-    async def wait_for_exit(self, process: asyncio.subprocess.Process) -> None:
+    async def wait_for_exit(self, process: CommandProcess) -> None:
         """Return when the process exits or the deadline (as it is by then) passes."""
         exited = asyncio.ensure_future(process.wait())
         try:
@@ -309,7 +358,7 @@ class StopDeadline:
 
 
 async def stop_job_processes(
-    process: asyncio.subprocess.Process,
+    process: CommandProcess,
     *,
     job_token: str,
     deadline: StopDeadline,

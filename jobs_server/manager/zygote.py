@@ -3,20 +3,26 @@
 instead of starting an interpreter per job (fork_server.py is the supervisor's side of it).
 
     supervisor ─► fork server (one per supervisor, single-threaded)
-                    └─► launcher (one per job: what `containment.LAUNCHER_SOURCE` does)
-                          └─► init ─► /bin/sh -c <entrypoint>   (or the shell itself: marker)
+              │     └─► (a fork that forks the launcher and exits at once)
+              └─► launcher (one per job: what `containment.LAUNCHER_SOURCE` does)
+                    └─► init ─► /bin/sh -c <entrypoint>   (or the shell itself: marker)
+
+The launcher is forked twice so that it is re-parented to the supervisor (a child subreaper),
+as a launcher the supervisor starts itself is: the supervisor reaps it (and learns its exit
+from a pidfd), signals and finds it as its child, and a job outlives a fork server that dies.
 
 It reads requests on its stdin, each `<length>\\n` then NUL-separated fields: the job's number,
 its containment, the shell, the log's path, the entrypoint and the `NAME=value` of its
 environment. It answers on its stdout, a line each:
 
-    started <job> <pid>          the command runs (its shell has exec'd); pid is the launcher's
-    failed <job> <reason>        it could not start (the log would not open, no shell to exec)
-    exited <job> <wait status>   the launcher ended (always after `started`)
+    forked <job> <pid>       the launcher's pid (written by the fork between, before `started`)
+    started <job>            the command runs (its shell has exec'd)
+    failed <job> <reason>    it could not start (the log would not open, no shell to exec)
 
-Lifetimes: it dies with the supervisor (its parent-death signal, and EOF on its stdin); each
-launcher dies with it (a parent-death signal, armed then checked), and so each namespace with
-its launcher. It is in a session of its own (a stop of a job never reaches it).
+It dies with the supervisor (its parent-death signal, armed then checked, and EOF on its stdin).
+It is in a session of its own (a stop of a job never reaches it). Like the jobs' processes, it
+carries the supervisor's marker (and so do the launchers it forks, whose environment is its
+own): the guardian kills them all if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -30,31 +36,15 @@ import select
 
 REQUESTS, REPORTS = 0, 1
 LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-supervisor, zygote = int(sys.argv[1]), os.getpid()
+supervisor = int(sys.argv[1])
 libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 if os.getppid() != supervisor:
     os._exit(1)  # the supervisor died before the death signal was armed
 devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-wake_r, wake_w = os.pipe()
-os.set_blocking(wake_r, False)
-os.set_blocking(wake_w, False)
-signal.signal(signal.SIGCHLD, lambda sig, frame: None)
-signal.set_wakeup_fd(wake_w)  # a SIGCHLD wakes the poll below
 os.set_blocking(REQUESTS, False)
 poller = select.epoll()
 poller.register(REQUESTS, select.EPOLLIN)
-poller.register(wake_r, select.EPOLLIN)
-
-
-class Launch:
-    __slots__ = ("job", "pid", "error", "status", "starting")
-
-    def __init__(self, job, pid):
-        self.job, self.pid, self.error, self.status, self.starting = job, pid, b"", None, True
-
-
-by_started_fd = {}  # the read end of each launch's started pipe, until its EOF
-by_pid = {}  # each launcher until it is reaped
+starting = {}  # the read end of each launch's started pipe, until its EOF: [job, error]
 
 
 def report(*words):
@@ -64,13 +54,8 @@ def report(*words):
 
 
 def become_launcher(containment, shell, entrypoint, log, started_w, env):
-    # In the forked launcher: it dies with the fork server, and keeps nothing of it.
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != zygote:
-        os._exit(1)  # the fork server died before the death signal was armed
-    signal.set_wakeup_fd(-1)
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    for fd in (wake_r, wake_w, poller.fileno(), *by_started_fd):
+    # Keeps nothing of the fork server.
+    for fd in (poller.fileno(), *starting):
         os.close(fd)
     os.setsid()
     os.dup2(devnull, 0)  # over the request pipe
@@ -90,6 +75,20 @@ def become_launcher(containment, shell, entrypoint, log, started_w, env):
         os._exit(127)
 
 
+def fork_launcher(job, containment, shell, entrypoint, log, started_r, started_w, env):
+    # In the fork between: its exit re-parents the launcher to the supervisor.
+    try:
+        launcher = os.fork()
+        if launcher == 0:
+            os.close(started_r)
+            become_launcher(containment, shell, entrypoint, log, started_w, env)
+        os.write(REPORTS, b"forked %s %d\n" % (job, launcher))
+    except BaseException as error:
+        os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
+        os._exit(127)
+    os._exit(0)
+
+
 def start(frame):
     fields = frame.split(b"\0")
     job, containment, shell, log_path, entrypoint = fields[:5]
@@ -103,85 +102,54 @@ def start(frame):
     # Held until the launcher has its handlers: a stop right after the start is not lost.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        pid = os.fork()
+        between = os.fork()
     except OSError as error:
-        pid, reason = -1, str(error).encode()
-    if pid == 0:
-        try:
-            become_launcher(containment.decode(), os.fsdecode(shell), os.fsdecode(entrypoint), log,
-                   started_w, env)
-        except BaseException as error:
-            os.write(2, ("jobs-server: cannot launch the job: %r\n" % (error,)).encode())
-        os._exit(127)
+        between, reason = -1, str(error).encode()
+    if between == 0:
+        fork_launcher(job, containment.decode(), os.fsdecode(shell), os.fsdecode(entrypoint),
+                      log, started_r, started_w, env)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.close(log)
     os.close(started_w)
-    if pid < 0:
+    if between < 0:
         os.close(started_r)
         report(b"failed", job, reason)
         return
-    by_pid[pid] = by_started_fd[started_r] = Launch(job, pid)
+    os.waitpid(between, 0)  # it exits as soon as it has forked
+    starting[started_r] = [job, b""]
     poller.register(started_r, select.EPOLLIN)
 
 
 def on_started_pipe(fd):
-    launch = by_started_fd[fd]
     data = os.read(fd, 4096)
     if data:
-        launch.error += data  # the shell could not be exec'd (marker containment)
+        starting[fd][1] += data  # it could not start
         return
     # EOF: the shell has exec'd (every write end closes at an exec), or nothing runs.
     poller.unregister(fd)
     os.close(fd)
-    del by_started_fd[fd]
-    launch.starting = False
-    if launch.error:
-        report(b"failed", launch.job, launch.error)
-        return
-    report(b"started", launch.job, b"%d" % launch.pid)
-    if launch.status is not None:
-        report(b"exited", launch.job, b"%d" % launch.status)
-
-
-def reap():
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        launch = by_pid.pop(pid, None)
-        if launch is None:
-            continue
-        if launch.starting:
-            launch.status = status  # reported after its start
-        elif not launch.error:
-            report(b"exited", launch.job, b"%d" % status)
+    job, error = starting.pop(fd)
+    if error:
+        report(b"failed", job, error)
+    else:
+        report(b"started", job)
 
 
 pending = b""
 while True:
     for fd, _ in poller.poll():
-        if fd == REQUESTS:
-            data = os.read(REQUESTS, 1 << 16)
-            if not data:
-                os._exit(0)  # the supervisor is gone; the launchers' death signal follows
-            pending += data
-            while True:
-                header, newline, rest = pending.partition(b"\n")
-                if not newline or len(rest) < int(header):
-                    break
-                start(rest[: int(header)])
-                pending = rest[int(header):]
-        elif fd == wake_r:
-            try:
-                while os.read(wake_r, 4096):
-                    pass
-            except BlockingIOError:
-                pass
-            reap()
-        else:
+        if fd != REQUESTS:
             on_started_pipe(fd)
+            continue
+        data = os.read(REQUESTS, 1 << 16)
+        if not data:
+            os._exit(0)  # the supervisor is gone
+        pending += data
+        while True:
+            header, newline, rest = pending.partition(b"\n")
+            if not newline or len(rest) < int(header):
+                break
+            start(rest[: int(header)])
+            pending = rest[int(header):]
 """
 )
