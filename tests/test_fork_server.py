@@ -401,3 +401,15 @@ def test_the_fork_server_and_its_jobs_die_with_the_supervisor(
         if supervisor.poll() is None:
             supervisor.kill()
             supervisor.wait()
+
+
+def test_a_process_in_a_dead_launchers_session_is_found_without_a_marker() -> None:
+    """The init of a namespace whose launcher was killed carries no job marker (a fork server
+    forked it): the scan after the attempt finds it among this process's children by session."""
+    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert find_job_processes("no-such-job", session=orphan.pid) == [orphan.pid]
+        assert find_job_processes("no-such-job") == []
+    finally:
+        orphan.kill()
+        orphan.wait()

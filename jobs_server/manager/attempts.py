@@ -190,12 +190,12 @@ class JobAttempts:
         finally:
             ending.cancel()
             # Whatever the command left behind ends with it, before the attempt's end is
-            # recorded or the next attempt starts: in a PID namespace the kernel saw to it, but
-            # a launcher killed by a signal may have left its namespace's init (found by its
-            # session) for a moment.
+            # recorded or the next attempt starts. In a PID namespace the kernel saw to it
+            # (no scan), unless a signal killed the launcher: its init may live on a moment,
+            # re-parented here in the launcher's session.
             if not ended_with_its_namespace(process, containment):
                 await kill_job_processes(
-                    job_token, process.pid, other_roots=self._host.other_roots(run)
+                    job_token, other_roots=self._host.other_roots(run), session=process.pid
                 )
             run.pid = None
             self._host.reap_orphans()

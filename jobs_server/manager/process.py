@@ -129,14 +129,19 @@ async def _wait_for_eof(fd: int) -> None:
 
 
 def find_job_processes(
-    job_token: str, root_pid: int | None = None, *, other_roots: frozenset[int] = frozenset()
+    job_token: str,
+    root_pid: int | None = None,
+    *,
+    other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> list[int]:
     """Every live process of a job: the command's descendants, and the orphans it left. Each
     parent comes before its children, the order to signal them in (see `signal_job_processes`).
 
     Orphans are re-parented to this process (a subreaper), so they are found among its own
-    children by the job's marker, or by the session of `root_pid` (the init of a namespace
-    whose launcher died, forked by a fork server, has no marker). Only the job's processes and
+    children by the job's marker, or as members of `session` (the init of a namespace whose
+    launcher died is in the launcher's session, and has no marker if a fork server forked it).
+    Only the job's processes and
     this process's children are read, less `other_roots` (the commands of this supervisor's
     other jobs): stopping fifty jobs at once costs no fifty scans of every process on the node.
     """
@@ -148,7 +153,7 @@ def find_job_processes(
         if (
             child not in found
             and child not in other_roots
-            and (_environ_has(child, marker) or _in_session(child, root_pid))
+            and (_environ_has(child, marker) or _in_session(child, session))
         ):
             found.update(dict.fromkeys(_tree(child)))
     return [pid for pid in found if _is_alive(pid)]
@@ -234,6 +239,7 @@ def signal_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> int:
     """Send `sig` to every process of the job at once; return how many were signalled.
 
@@ -253,7 +259,7 @@ def signal_job_processes(
         with contextlib.suppress(ProcessLookupError):
             os.kill(root, sig)
         return 1  # its namespace holds every other process of it
-    found = find_job_processes(job_token, root_pid, other_roots=other_roots)
+    found = find_job_processes(job_token, root_pid, other_roots=other_roots, session=session)
     if root is not None:
         with contextlib.suppress(ProcessLookupError):
             # The command runs in a session of its own: its group id is its pid.
@@ -278,11 +284,17 @@ async def kill_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> None:
     """SIGKILL the job's processes until none is left (a forking process may add one meanwhile)."""
     for _ in range(_KILL_ROUNDS):
         killed = signal_job_processes(
-            job_token, signal.SIGKILL, root_pid, containment=containment, other_roots=other_roots
+            job_token,
+            signal.SIGKILL,
+            root_pid,
+            containment=containment,
+            other_roots=other_roots,
+            session=session,
         )
         if killed == 0:
             return
