@@ -18,7 +18,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager import fork_server as fork_server_module
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
 from jobs_server.manager.process import (
@@ -175,25 +174,41 @@ async def test_started_means_the_shell_has_exec_d(
 
 
 @pytest.mark.parametrize(
-    ("change", "reason"),
-    [("log", "No such file or directory: '/nonexistent/job.log'"), ("shell", "nonexistent/sh")],
+    ("shell", "log_path", "reason"),
+    [
+        (
+            "/bin/sh",
+            Path("/nonexistent/job.log"),
+            "No such file or directory: '/nonexistent/job.log'",
+        ),
+        ("/nonexistent/sh", None, "No such file or directory: '/nonexistent/sh'"),
+    ],
 )
-async def test_a_job_that_cannot_start_raises_and_leaves_nothing(
-    forks: ForkServer, tmp_path: Path, change: str, reason: str, monkeypatch: pytest.MonkeyPatch
+async def test_a_job_that_cannot_start_raises(
+    tmp_path: Path, shell: str, log_path: Path | None, reason: str
 ) -> None:
-    log_path = Path("/nonexistent/job.log") if change == "log" else tmp_path / "job.log"
-    if change == "shell":
-        monkeypatch.setattr(fork_server_module, "SHELL", "/nonexistent/sh")
-    with pytest.raises(OSError, match=reason):
-        await forks.spawn(
-            "true", log_path=log_path, env=job_env("no-start"), containment=Containment.MARKER
-        )
-    # The fork server goes on serving.
-    monkeypatch.undo()
-    process = await forks.spawn(
-        "exit 4", log_path=tmp_path / "next.log", env={}, containment=Containment.MARKER
-    )
-    assert await process.wait() == 4
+    assert become_child_subreaper()
+    forks = ForkServer("fork-server-test", shell=shell)
+    forks.start()
+    try:
+        with pytest.raises(OSError, match=reason):
+            await forks.spawn(
+                "true",
+                log_path=log_path or tmp_path / "job.log",
+                env=job_env("no-start"),
+                containment=Containment.MARKER,
+            )
+        zygote = forks.pid
+        # The fork server goes on serving.
+        with contextlib.suppress(OSError):
+            await forks.spawn(
+                "exit 4", log_path=tmp_path / "next.log", env={}, containment=Containment.MARKER
+            )
+        assert forks.pid == zygote
+        assert (tmp_path / "next.log").exists()  # opened by the fork server: it served
+    finally:
+        forks.close()
+        ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)

@@ -76,8 +76,9 @@ def _reap_later(pid: int) -> None:
 class ForkServer:
     """Starts jobs' launchers through one fork server, which it (re)starts when needed."""
 
-    def __init__(self, supervisor_token: str) -> None:
+    def __init__(self, supervisor_token: str, *, shell: str = SHELL) -> None:
         self._supervisor_token = supervisor_token
+        self._shell = shell
         self._process: subprocess.Popen[bytes] | None = None
         self._requests = -1
         self._reports = -1
@@ -130,7 +131,7 @@ class ForkServer:
         job = next(self._job_numbers)
         started: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._starting[job] = started
-        fields = [str(job), str(containment), SHELL, os.fspath(log_path), entrypoint]
+        fields = [str(job), str(containment), self._shell, os.fspath(log_path), entrypoint]
         fields += [f"{name}={value}" for name, value in env.items()]
         frame = b"\0".join(os.fsencode(field) for field in fields)
         self._send(b"%d\n%s" % (len(frame), frame))
