@@ -189,8 +189,13 @@ class ForkServer:
                 self._starting.pop(job).set_exception(OSError(detail.strip().decode()))
 
     def _started(self, job: int, pid: int) -> None:
-        process = ForkedProcess(pid)
         started = self._starting.pop(job)
+        try:
+            process = ForkedProcess(pid)
+        except OSError as error:  # reaped by someone else already: its exit code is lost
+            if not started.done():
+                started.set_exception(error)
+            return
         if started.cancelled():
             # Nobody awaits it: it must not run on unseen.
             with contextlib.suppress(ProcessLookupError):
