@@ -36,19 +36,24 @@ SUPERVISOR_MARK = "JobSupervisor"
 GCS_NAME = "gcs_server"
 
 
-def supervisor_process() -> psutil.Process:
-    """The one supervisor actor's process (a run of `true` jobs uses the shared one)."""
+def supervisor_process(head_pid: int) -> psutil.Process:
+    """The one supervisor actor's process of the Ray head `head_pid` (a run of `true` jobs uses
+    the shared one). Other Ray clusters may run on the machine: only the head's are looked at."""
     found = []
-    for process in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error, TypeError):
-            if any(SUPERVISOR_MARK in part for part in process.info["cmdline"] or []):
+    for process in psutil.Process(head_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(SUPERVISOR_MARK in part for part in process.cmdline()):
                 found.append(process)
     assert len(found) == 1, f"expected one supervisor, found {len(found)}"
     return found[0]
 
 
-def gcs_process() -> psutil.Process:
-    found = [p for p in psutil.process_iter(["name"]) if p.info["name"] == GCS_NAME]
+def gcs_process(head_pid: int) -> psutil.Process:
+    found = [
+        process
+        for process in psutil.Process(head_pid).children(recursive=True)
+        if process.name() == GCS_NAME
+    ]
     assert len(found) == 1, f"expected one GCS, found {len(found)}"
     return found[0]
 
@@ -79,20 +84,22 @@ async def run(jobs: int, in_flight: int) -> dict[str, float]:
                 ray_head(work_dir) as head,
                 jobs_server(head.gcs_address, work_dir, ["--max-running-jobs", "50"]) as server,
             ):
-                return await _measure(server.url, server.pid, jobs, in_flight, marker)
+                return await _measure(server.url, server.pid, head.pid, jobs, in_flight, marker)
         finally:
             kill_survivors(marker)
 
 
 async def _measure(
-    url: str, server_pid: int, jobs: int, in_flight: int, marker: str
+    url: str, server_pid: int, head_pid: int, jobs: int, in_flight: int, marker: str
 ) -> dict[str, float]:
     async with new_session(max_connections=in_flight + 8) as session:
         api = JobsApi(session, url)
         warm = [f"{marker}-warm-{n}" for n in range(WARM_UP_JOBS)]
         await submit_with_workers(api, "true", warm, 8, time.monotonic() + 120)
         await wait_until_all_ended(api, time.monotonic() + 120)
-        supervisor, server, gcs = supervisor_process(), psutil.Process(server_pid), gcs_process()
+        supervisor, server = supervisor_process(head_pid), psutil.Process(server_pid)
+        gcs = gcs_process(head_pid)
+        logger.info("supervisor pid %d (for a profiler)", supervisor.pid)
         supervisor_before = cpu_s(supervisor, with_live_children=True)
         own_before = own_cpu_s(supervisor)
         server_before = cpu_s(server, with_live_children=False)
