@@ -7,7 +7,8 @@ kills every other one and waits for them: nothing of a job outlives it. Slurm, N
 container runtimes contain jobs the same way.
 
 The command is started through a small launcher (`LAUNCHER_SOURCE`, standard-library Python run
-with `python -I -S -c`, so a worker node needs nothing installed):
+with `python -I -S -c`, so a worker node needs nothing installed; a supervisor forks it from its
+fork server instead, zygote.py, which runs the same `LAUNCH_SOURCE`):
 
     supervisor ─► launcher (this node's PID namespace; the process the supervisor awaits)
                     └─► init (pid 1 of the job's namespace)
