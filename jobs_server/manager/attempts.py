@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import ray
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.command_start import CommandProcess, start_entrypoint
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import (
@@ -34,11 +35,9 @@ from jobs_server.manager.job_run import (
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.logs import log_size, read_log_tail
 from jobs_server.manager.process import (
-    CommandProcess,
     ended_with_its_namespace,
     has_exited,
     kill_job_processes,
-    start_entrypoint,
     stop_job_processes,
 )
 from jobs_server.manager.records import JobAttempt, JobErrorType, JobRecord, JobStatus, now_ms

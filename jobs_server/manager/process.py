@@ -1,4 +1,5 @@
-"""A job's processes: starting its command, finding every process it made, and ending them.
+"""A job's processes: finding every process it made, and ending them (command_start.py starts
+its command).
 
 Where the host allows it, a job runs in a PID namespace of its own (`containment.py`), and the
 kernel holds its processes together. Either way, each job's processes carry a marker in their
@@ -16,18 +17,17 @@ import ctypes
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Protocol
 
 import psutil
 
-from jobs_server.manager.containment import Containment, launch_argv
-from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.command_start import CommandProcess
+
+# Where callers (tests among them) have always found it.
+from jobs_server.manager.command_start import start_entrypoint as start_entrypoint
+from jobs_server.manager.containment import Containment
 
 logger = logging.getLogger(__name__)
 
@@ -45,87 +45,6 @@ def become_child_subreaper() -> bool:
         return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
-
-
-class CommandProcess(Protocol):
-    """A started command (its launcher, in a PID namespace), this process's child: an
-    `asyncio.subprocess.Process`, or a `ForkedProcess`."""
-
-    @property
-    def pid(self) -> int: ...
-
-    @property
-    def returncode(self) -> int | None: ...
-
-    async def wait(self) -> int: ...
-
-
-async def start_entrypoint(
-    entrypoint: str,
-    *,
-    log_path: Path,
-    env: Mapping[str, str],
-    containment: Containment,
-    fork_server: ForkServer | None = None,
-) -> CommandProcess:
-    """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log. Return once the command runs.
-
-    Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
-    per job)."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    if fork_server is not None:
-        return await fork_server.spawn(
-            entrypoint, log_path=log_path, env=env, containment=containment
-        )
-    if containment != Containment.PID_NAMESPACE:
-        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
-    started_r, started_w = os.pipe()
-    try:
-        try:
-            process = await _spawn(
-                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
-            )
-        finally:
-            os.close(started_w)
-        # The launcher takes a Python start before the shell runs: RUNNING means it runs.
-        await _wait_for_eof(started_r)
-    finally:
-        os.close(started_r)
-    return process
-
-
-async def _spawn(
-    argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
-) -> asyncio.subprocess.Process:
-    with log_path.open("ab") as log_file:
-        # The child keeps its own copy of the descriptor; ours closes when this block ends.
-        return await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-            pass_fds=pass_fds,
-        )
-
-
-async def _wait_for_eof(fd: int) -> None:
-    """Return when every write end of the pipe `fd` reads from has closed (nobody writes to it,
-    so readable means that)."""
-    loop = asyncio.get_running_loop()
-    closed: asyncio.Future[None] = loop.create_future()
-
-    def on_readable() -> None:
-        if not closed.done():
-            closed.set_result(None)
-
-    loop.add_reader(fd, on_readable)
-    try:
-        await closed
-    finally:
-        loop.remove_reader(fd)
 
 
 def find_job_processes(
