@@ -90,18 +90,22 @@ METHOD_NOTES = [
 
 
 # In the command line of the launcher that starts a contained job (containment.py): with the
-# init it forks (the same command line), one pair per job whose command runs.
+# init it forks (the same command line), one pair per job whose command runs. A supervisor's fork
+# server (zygote.py), whose forks the launchers are, has it too, but no init under it.
 LAUNCHER_MARK = "CLONE_NEWPID"
 
 
 def commands_running() -> int:
-    """Jobs whose command runs now, counted by their launcher processes (contained jobs)."""
+    """Jobs whose command runs now, counted by their launcher processes (contained jobs): each
+    is the parent of a marked init, and its own parent (the supervisor) is not marked."""
     marked: dict[int, int] = {}
     for process in psutil.process_iter(["pid", "ppid", "cmdline"]):
         with contextlib.suppress(psutil.Error, TypeError):
             if any(LAUNCHER_MARK in part for part in process.info["cmdline"] or []):
                 marked[process.info["pid"]] = process.info["ppid"]
-    return sum(1 for parent in marked.values() if parent not in marked)
+    return len(
+        {parent for parent in marked.values() if parent in marked and marked[parent] not in marked}
+    )
 
 
 @dataclass

@@ -20,7 +20,9 @@ from typing import Any, Protocol
 import ray
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.command_start import CommandProcess, start_entrypoint
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import (
     JOB_TIMEOUT_ERROR_TYPE,
     NEVER_STARTED_MESSAGE,
@@ -33,9 +35,9 @@ from jobs_server.manager.job_run import (
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.logs import log_size, read_log_tail
 from jobs_server.manager.process import (
+    ended_with_its_namespace,
     has_exited,
     kill_job_processes,
-    start_entrypoint,
     stop_job_processes,
 )
 from jobs_server.manager.records import JobAttempt, JobErrorType, JobRecord, JobStatus, now_ms
@@ -62,6 +64,9 @@ class AttemptHost(Protocol):
     def job_store(self) -> JobStore: ...
 
     async def prepare_processes(self) -> Containment: ...
+
+    def fork_server(self) -> ForkServer | None:
+        """What forks the jobs' launchers (None: a launcher is started per job)."""
 
     def spool(self, run: JobRun) -> None:
         """From now on the server pulls the run's log from this node's spool."""
@@ -152,8 +157,11 @@ class JobAttempts:
                     log_path=run.log_path,
                     env=driver_env(job, job_token, self._host.supervisor_token),
                     containment=containment,
+                    fork_server=self._host.fork_server(),
                 )
         except OSError as error:
+            # A fork server that died as it started the command killed it: not its orphans.
+            await kill_job_processes(job_token, other_roots=self._host.other_roots(run))
             if not self._attempts:
                 self._host.unspool(run)  # nothing was written: nothing to pull
             return await self._record_end(
@@ -180,10 +188,14 @@ class JobAttempts:
             end = await ending
         finally:
             ending.cancel()
-            # Whatever the command left behind ends with it (in a PID namespace, the kernel
-            # saw to it; this finds a namespace whose launcher was killed), before the attempt's
-            # end is recorded or the next attempt starts.
-            await kill_job_processes(job_token, other_roots=self._host.other_roots(run))
+            # Whatever the command left behind ends with it, before the attempt's end is
+            # recorded or the next attempt starts. In a PID namespace the kernel saw to it
+            # (no scan), unless a signal killed the launcher: its init may live on a moment,
+            # re-parented here in the launcher's session.
+            if not ended_with_its_namespace(process, containment):
+                await kill_job_processes(
+                    job_token, other_roots=self._host.other_roots(run), session=process.pid
+                )
             run.pid = None
             self._host.reap_orphans()
         self._attempts[-1] = self._attempts[-1].model_copy(
@@ -209,7 +221,7 @@ class JobAttempts:
         return await self._store.update(self._job.submission_id, self._job.run_id, **changes)
 
     async def _run_until_end(
-        self, process: asyncio.subprocess.Process, job_token: str, containment: Containment
+        self, process: CommandProcess, job_token: str, containment: Containment
     ) -> CommandEnd:
         """Wait for the command to exit, or stop it when asked to (or at the job's timeout)."""
         run = self._run

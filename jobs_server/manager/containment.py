@@ -7,7 +7,8 @@ kills every other one and waits for them: nothing of a job outlives it. Slurm, N
 container runtimes contain jobs the same way.
 
 The command is started through a small launcher (`LAUNCHER_SOURCE`, standard-library Python run
-with `python -I -S -c`, so a worker node needs nothing installed):
+with `python -I -S -c`, so a worker node needs nothing installed; a supervisor forks it from its
+fork server instead, zygote.py, which runs the same `LAUNCH_SOURCE`):
 
     supervisor ─► launcher (this node's PID namespace; the process the supervisor awaits)
                     └─► init (pid 1 of the job's namespace)
@@ -56,14 +57,15 @@ class Containment(enum.StrEnum):
     MARKER = "marker"
 
 
-LAUNCHER_SOURCE = r"""
+# The launch of one command, shared by the launcher and the fork server (fork_server.py). With
+# `env` None, the command gets this process's environment.
+LAUNCH_SOURCE = r"""
 import ctypes, os, sys
 import _signal as signal  # the C module: signal.py's enums would add ~5 ms to every start
 
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-shell, entrypoint, started_w = sys.argv[1], sys.argv[2], int(sys.argv[3])
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -73,86 +75,91 @@ def fail(what):
     os._exit(125)
 
 
-# No /proc of its own (a mount namespace): Ray's drivers find their node's raylet in /proc.
-if libc.unshare(CLONE_NEWPID) != 0:
-    fail("unshare")
-# Held until each process has its handlers: a stop right after the start is not lost.
-signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-status_r, status_w = os.pipe()
-alive_r, alive_w = os.pipe()
-init = os.fork()
-if init == 0:
-    os.close(status_r)
-    os.close(alive_w)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    os.set_blocking(alive_r, False)
-    try:
-        if os.read(alive_r, 1) == b"":
-            os._exit(1)  # the launcher died before the death signal was armed
-    except BlockingIOError:
-        pass
-    command = os.fork()
-    if command == 0:
-        os.setsid()
-        # What Python ignores, the command must not (`yes | head` ends by SIGPIPE).
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-        signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
-        if started_w >= 0:  # closed by the exec: the supervisor learns that the command runs
-            os.set_inheritable(started_w, False)
+def launch_in_namespace(shell, entrypoint, started_w, env):
+    # No /proc of its own (a mount namespace): Ray's drivers find their node's raylet in /proc.
+    if libc.unshare(CLONE_NEWPID) != 0:
+        fail("unshare")
+    # Held until each process has its handlers: a stop right after the start is not lost.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    status_r, status_w = os.pipe()
+    alive_r, alive_w = os.pipe()
+    init = os.fork()
+    if init == 0:
+        os.close(status_r)
+        os.close(alive_w)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        os.set_blocking(alive_r, False)
         try:
-            os.execv(shell, [shell, "-c", entrypoint])
-        except OSError as error:
-            os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())
-            os._exit(127)
+            if os.read(alive_r, 1) == b"":
+                os._exit(1)  # the launcher died before the death signal was armed
+        except BlockingIOError:
+            pass
+        command = os.fork()
+        if command == 0:
+            os.setsid()
+            # What Python ignores, the command must not (`yes | head` ends by SIGPIPE).
+            signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+            signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_SETMASK, ())
+            if started_w >= 0:  # closed by the exec: the supervisor learns that the command runs
+                os.set_inheritable(started_w, False)
+            try:
+                if env is None:
+                    os.execv(shell, [shell, "-c", entrypoint])
+                os.execve(shell, [shell, "-c", entrypoint], env)
+            except OSError as error:
+                os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())
+                os._exit(127)
 
-    def to_every_process(sig, frame):
-        try:
-            os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
-        except OSError:
-            pass  # none left: a late stop must not leave a traceback in the job's log
+        def to_every_process(sig, frame):
+            try:
+                os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
+            except OSError:
+                pass  # none left: a late stop must not leave a traceback in the job's log
 
-    for sig in FORWARDED:
-        signal.signal(sig, to_every_process)
+        for sig in FORWARDED:
+            signal.signal(sig, to_every_process)
+        if started_w >= 0:
+            os.close(started_w)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+        while True:
+            pid, status = os.wait()  # orphans of the namespace come back to its init
+            if pid == command:
+                break
+        os.write(status_w, b"%d" % status)
+        os._exit(0)  # and with the init, the kernel kills what the command left
+
+    os.close(status_w)
+    os.close(alive_r)
     if started_w >= 0:
         os.close(started_w)
+
+    def to_init(sig, frame):
+        try:
+            os.kill(init, sig)
+        except OSError:
+            pass  # reaped: a late stop must not leave a traceback in the job's log
+
+    for sig in FORWARDED:
+        signal.signal(sig, to_init)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    while True:
-        pid, status = os.wait()  # orphans of the namespace come back to its init
-        if pid == command:
-            break
-    os.write(status_w, b"%d" % status)
-    os._exit(0)  # and with the init, the kernel kills what the command left
-
-os.close(status_w)
-os.close(alive_r)
-if started_w >= 0:
-    os.close(started_w)
-
-
-def to_init(sig, frame):
-    try:
-        os.kill(init, sig)
-    except OSError:
-        pass  # reaped: a late stop must not leave a traceback in the job's log
-
-
-for sig in FORWARDED:
-    signal.signal(sig, to_init)
-signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-init_status = os.waitpid(init, 0)[1]
-reported = os.read(status_r, 32)
-code = os.waitstatus_to_exitcode(int(reported) if reported else init_status)
-if code >= 0:
-    os._exit(code)
-# End as the command did: by its signal (without a core dump of this launcher).
-libc.prctl(PR_SET_DUMPABLE, 0)
-if -code not in (signal.SIGKILL, signal.SIGSTOP):
-    signal.signal(-code, signal.SIG_DFL)
-signal.pthread_sigmask(signal.SIG_SETMASK, ())
-os.kill(os.getpid(), -code)
-os._exit(128 - code)
+    init_status = os.waitpid(init, 0)[1]
+    reported = os.read(status_r, 32)
+    code = os.waitstatus_to_exitcode(int(reported) if reported else init_status)
+    if code >= 0:
+        os._exit(code)
+    # End as the command did: by its signal (without a core dump of this launcher).
+    libc.prctl(PR_SET_DUMPABLE, 0)
+    if -code not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(-code, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    os.kill(os.getpid(), -code)
+    os._exit(128 - code)
 """
+
+LAUNCHER_SOURCE = (
+    LAUNCH_SOURCE + "launch_in_namespace(sys.argv[1], sys.argv[2], int(sys.argv[3]), None)\n"
+)
 
 
 def detect_containment() -> Containment:

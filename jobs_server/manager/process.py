@@ -1,4 +1,5 @@
-"""A job's processes: starting its command, finding every process it made, and ending them.
+"""A job's processes: finding every process it made, and ending them (command_start.py starts
+its command).
 
 Where the host allows it, a job runs in a PID namespace of its own (`containment.py`), and the
 kernel holds its processes together. Either way, each job's processes carry a marker in their
@@ -16,16 +17,17 @@ import ctypes
 import logging
 import os
 import signal
-import subprocess
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import psutil
 
-from jobs_server.manager.containment import Containment, launch_argv
+from jobs_server.manager.command_start import CommandProcess
+
+# Where callers (tests among them) have always found it.
+from jobs_server.manager.command_start import start_entrypoint as start_entrypoint
+from jobs_server.manager.containment import Containment
 
 logger = logging.getLogger(__name__)
 
@@ -45,79 +47,33 @@ def become_child_subreaper() -> bool:
         return False
 
 
-async def start_entrypoint(
-    entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
-) -> asyncio.subprocess.Process:
-    """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log. Return once the command runs."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    if containment != Containment.PID_NAMESPACE:
-        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
-    started_r, started_w = os.pipe()
-    try:
-        try:
-            process = await _spawn(
-                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
-            )
-        finally:
-            os.close(started_w)
-        # The launcher takes a Python start before the shell runs: RUNNING means it runs.
-        await _wait_for_eof(started_r)
-    finally:
-        os.close(started_r)
-    return process
-
-
-async def _spawn(
-    argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
-) -> asyncio.subprocess.Process:
-    with log_path.open("ab") as log_file:
-        # The child keeps its own copy of the descriptor; ours closes when this block ends.
-        return await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-            pass_fds=pass_fds,
-        )
-
-
-async def _wait_for_eof(fd: int) -> None:
-    """Return when every write end of the pipe `fd` reads from has closed (nobody writes to it,
-    so readable means that)."""
-    loop = asyncio.get_running_loop()
-    closed: asyncio.Future[None] = loop.create_future()
-
-    def on_readable() -> None:
-        if not closed.done():
-            closed.set_result(None)
-
-    loop.add_reader(fd, on_readable)
-    try:
-        await closed
-    finally:
-        loop.remove_reader(fd)
-
-
 def find_job_processes(
-    job_token: str, root_pid: int | None = None, *, other_roots: frozenset[int] = frozenset()
+    job_token: str,
+    root_pid: int | None = None,
+    *,
+    other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> list[int]:
     """Every live process of a job: the command's descendants, and the orphans it left. Each
     parent comes before its children, the order to signal them in (see `signal_job_processes`).
 
     Orphans are re-parented to this process (a subreaper), so they are found among its own
-    children by the job's marker. Only the job's processes and this process's children are
-    read, less `other_roots` (the commands of this supervisor's other jobs): stopping fifty jobs
-    at once costs no fifty scans of every process on the node.
+    children by the job's marker, or as members of `session` (the init of a namespace whose
+    launcher died is in the launcher's session, and has no marker if a fork server forked it).
+    Only the job's processes and
+    this process's children are read, less `other_roots` (the commands of this supervisor's
+    other jobs): stopping fifty jobs at once costs no fifty scans of every process on the node.
     """
     found: dict[int, None] = {}  # an ordered set
     if root_pid is not None:
         found.update(dict.fromkeys(_tree(root_pid)))
     marker = f"{JOB_TOKEN_ENV_VAR}={job_token}".encode()
     for child in _own_children():
-        if child not in found and child not in other_roots and _environ_has(child, marker):
+        if (
+            child not in found
+            and child not in other_roots
+            and (_environ_has(child, marker) or _in_session(child, session))
+        ):
             found.update(dict.fromkeys(_tree(child)))
     return [pid for pid in found if _is_alive(pid)]
 
@@ -178,6 +134,13 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         return False
 
 
+def _in_session(pid: int, session: int | None) -> bool:
+    try:
+        return session is not None and os.getsid(pid) == session
+    except OSError:
+        return False
+
+
 def _is_alive(pid: int) -> bool:
     """Running or stopped, not a zombie waiting to be reaped."""
     try:
@@ -195,6 +158,7 @@ def signal_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> int:
     """Send `sig` to every process of the job at once; return how many were signalled.
 
@@ -214,7 +178,7 @@ def signal_job_processes(
         with contextlib.suppress(ProcessLookupError):
             os.kill(root, sig)
         return 1  # its namespace holds every other process of it
-    found = find_job_processes(job_token, root_pid, other_roots=other_roots)
+    found = find_job_processes(job_token, root_pid, other_roots=other_roots, session=session)
     if root is not None:
         with contextlib.suppress(ProcessLookupError):
             # The command runs in a session of its own: its group id is its pid.
@@ -239,26 +203,42 @@ async def kill_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
+    session: int | None = None,
 ) -> None:
     """SIGKILL the job's processes until none is left (a forking process may add one meanwhile)."""
     for _ in range(_KILL_ROUNDS):
         killed = signal_job_processes(
-            job_token, signal.SIGKILL, root_pid, containment=containment, other_roots=other_roots
+            job_token,
+            signal.SIGKILL,
+            root_pid,
+            containment=containment,
+            other_roots=other_roots,
+            session=session,
         )
         if killed == 0:
             return
         await asyncio.sleep(_KILL_ROUND_WAIT_S)
 
 
-def has_exited(process: asyncio.subprocess.Process) -> bool:
-    """Whether the command has exited, even if asyncio has not collected its status yet
-    (without collecting it: asyncio still does)."""
+def has_exited(process: CommandProcess) -> bool:
+    """Whether the command has exited, even if asyncio (or a `ForkedProcess`) has not
+    collected its status yet (without collecting it: they still do)."""
     if process.returncode is not None:
         return True
     try:
         return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
         return True  # collected meanwhile
+
+
+def ended_with_its_namespace(process: CommandProcess, containment: Containment) -> bool:
+    """Whether nothing of the command can be left: its launcher exited (not killed by a
+    signal) after its PID namespace's init, whose end killed and reaped the whole namespace."""
+    return (
+        containment == Containment.PID_NAMESPACE
+        and process.returncode is not None
+        and process.returncode >= 0
+    )
 
 
 def reap_orphans(keep: set[int]) -> None:
@@ -289,7 +269,7 @@ class StopDeadline:
             self.at_s = at_s
             self.moved.set()
 
-    async def wait_for_exit(self, process: asyncio.subprocess.Process) -> None:
+    async def wait_for_exit(self, process: CommandProcess) -> None:
         """Return when the process exits or the deadline (as it is by then) passes."""
         exited = asyncio.ensure_future(process.wait())
         try:
@@ -309,7 +289,7 @@ class StopDeadline:
 
 
 async def stop_job_processes(
-    process: asyncio.subprocess.Process,
+    process: CommandProcess,
     *,
     job_token: str,
     deadline: StopDeadline,

@@ -27,6 +27,7 @@ import ray
 
 from jobs_server.manager.attempts import JobAttempts
 from jobs_server.manager.containment import Containment, detect_containment
+from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.guardian import start_guardian
 from jobs_server.manager.job_run import (
     NEVER_STARTED_MESSAGE,
@@ -59,6 +60,7 @@ class JobSupervisor:
         self._supervisor_token = secrets.token_hex(16)
         self._guardian: subprocess.Popen[bytes] | None = None
         self._containment: Containment | None = None
+        self._fork_server: ForkServer | None = None
         self._preparing = asyncio.Lock()
         self._store: JobStore | None = None
         # Commands being started: a child that exits before its run records its pid must not
@@ -210,13 +212,23 @@ class JobSupervisor:
 
     async def prepare_processes(self) -> Containment:
         """Before the first job: start the guardian, learn what contains a job on this node,
-        then become a subreaper (in this order: see `start_guardian`, `detect_containment`)."""
+        then become a subreaper (in this order: see `start_guardian`, `detect_containment`),
+        and start the fork server (on this, the event loop's thread: see `ForkServer.start`)."""
         async with self._preparing:
             if self._containment is None:
                 self._guardian = start_guardian(self._supervisor_token)
                 self._containment = await asyncio.to_thread(detect_containment)
                 become_child_subreaper()
+                fork_server = ForkServer(self._supervisor_token)
+                try:
+                    fork_server.start()
+                    self._fork_server = fork_server
+                except OSError as error:
+                    logger.warning("no fork server (a launcher is started per job): %s", error)
             return self._containment
+
+    def fork_server(self) -> ForkServer | None:
+        return self._fork_server
 
     def spool(self, run: JobRun) -> None:
         self._spools[run.job.submission_id] = run.log_path

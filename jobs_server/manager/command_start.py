@@ -1,0 +1,117 @@
+"""Starting a job's command: through the supervisor's fork server, or a launcher per job
+(`containment.py`); what the rest of the supervisor holds of it (`CommandProcess`)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol, overload
+
+from jobs_server.manager.containment import Containment, launch_argv
+from jobs_server.manager.fork_server import ForkServer
+
+
+class CommandProcess(Protocol):
+    """A started command (its launcher, in a PID namespace), this process's child: an
+    `asyncio.subprocess.Process`, or a `ForkedProcess`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+
+@overload
+async def start_entrypoint(
+    entrypoint: str,
+    *,
+    log_path: Path,
+    env: Mapping[str, str],
+    containment: Containment,
+    fork_server: None = None,
+) -> asyncio.subprocess.Process: ...
+
+
+@overload
+async def start_entrypoint(
+    entrypoint: str,
+    *,
+    log_path: Path,
+    env: Mapping[str, str],
+    containment: Containment,
+    fork_server: ForkServer | None,
+) -> CommandProcess: ...
+
+
+async def start_entrypoint(
+    entrypoint: str,
+    *,
+    log_path: Path,
+    env: Mapping[str, str],
+    containment: Containment,
+    fork_server: ForkServer | None = None,
+) -> CommandProcess:
+    """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
+    `containment` says so); stdout and stderr go to the log. Return once the command runs.
+
+    Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
+    per job)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if fork_server is not None:
+        return await fork_server.spawn(
+            entrypoint, log_path=log_path, env=env, containment=containment
+        )
+    if containment != Containment.PID_NAMESPACE:
+        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
+    started_r, started_w = os.pipe()
+    try:
+        try:
+            process = await _spawn(
+                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
+            )
+        finally:
+            os.close(started_w)
+        # The launcher takes a Python start before the shell runs: RUNNING means it runs.
+        await _wait_for_eof(started_r)
+    finally:
+        os.close(started_r)
+    return process
+
+
+async def _spawn(
+    argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
+) -> asyncio.subprocess.Process:
+    with log_path.open("ab") as log_file:
+        # The child keeps its own copy of the descriptor; ours closes when this block ends.
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
+
+
+async def _wait_for_eof(fd: int) -> None:
+    """Return when every write end of the pipe `fd` reads from has closed (nobody writes to it,
+    so readable means that)."""
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[None] = loop.create_future()
+
+    def on_readable() -> None:
+        if not closed.done():
+            closed.set_result(None)
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await closed
+    finally:
+        loop.remove_reader(fd)

@@ -1,0 +1,231 @@
+"""The supervisor's side of its fork server (zygote.py): one process, started once, forks the
+launcher of every job, where starting an interpreter per job cost most of a short job's CPU.
+
+Each launcher is re-parented to the supervisor, which must be a child subreaper: the supervisor
+reaps it (woken by a pidfd on the event loop: no thread per child, no `Popen` per job), and a
+`ForkedProcess` stands in for the `asyncio.subprocess.Process` a launcher it starts itself
+would be. One reader of the fork server's reports feeds them. If the fork server dies, the jobs
+it started run on; a job it was starting is killed and fails to start, and the next job starts
+a new fork server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from jobs_server.manager.containment import SHELL, Containment
+from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
+from jobs_server.manager.zygote import ZYGOTE_SOURCE
+
+logger = logging.getLogger(__name__)
+
+_READ_SIZE = 1 << 16
+# Asyncio's figure for a child whose status someone else collected.
+_UNKNOWN_EXIT_CODE = 255
+
+
+class ForkServerDiedError(OSError):
+    """The fork server died before the command was reported started."""
+
+
+class ForkedProcess:
+    """A job's launcher, forked by the fork server and re-parented to this process: `pid`,
+    `returncode` and `wait()` as an `asyncio.subprocess.Process` has them."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._exited = asyncio.Event()
+        # Readable when the process exits (opened before anything may reap it).
+        self._pidfd = os.pidfd_open(pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, -1  # collected by someone else
+        if pid == 0:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
+        self._exited.set()
+
+
+def _reap_later(pid: int) -> None:
+    """Reap a launcher nobody awaits when it exits."""
+    with contextlib.suppress(OSError):  # gone already
+        ForkedProcess(pid)
+
+
+class ForkServer:
+    """Starts jobs' launchers through one fork server, which it (re)starts when needed."""
+
+    def __init__(self, supervisor_token: str, *, shell: str = SHELL) -> None:
+        self._supervisor_token = supervisor_token
+        self._shell = shell
+        self._process: subprocess.Popen[bytes] | None = None
+        self._requests = -1
+        self._reports = -1
+        self._unsent = bytearray()
+        self._partial_report = b""
+        self._job_numbers = itertools.count()
+        self._starting: dict[int, asyncio.Future[ForkedProcess]] = {}
+        self._forked: dict[int, int] = {}  # job: launcher pid, until it is reported started
+
+    @property
+    def pid(self) -> int | None:
+        """The fork server's process id while it runs (for tests)."""
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> None:
+        """Start the fork server. Call it from the event loop's thread (the fork server's
+        parent-death signal comes when the thread that forked it ends) of a child subreaper.
+        Raises OSError where this host has no pidfds (Linux < 5.3)."""
+        os.close(os.pidfd_open(os.getpid()))
+        env = {
+            name: value
+            for name, value in os.environ.items()
+            if not name.upper().startswith("JOBS_SERVER_")
+        }
+        # Marked as the jobs' processes are: the guardian kills it and its launchers too.
+        env[SUPERVISOR_TOKEN_ENV_VAR] = self._supervisor_token
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", ZYGOTE_SOURCE, str(os.getpid())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            # Its own session: stopping a job's processes never reaches it.
+            start_new_session=True,
+        )
+        assert process.stdin is not None
+        assert process.stdout is not None
+        self._process = process
+        self._requests, self._reports = process.stdin.fileno(), process.stdout.fileno()
+        os.set_blocking(self._requests, False)
+        os.set_blocking(self._reports, False)
+        asyncio.get_running_loop().add_reader(self._reports, self._read_reports)
+
+    async def spawn(
+        self, entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
+    ) -> ForkedProcess:
+        """Run `entrypoint` as `containment.launch_argv` would; return once the command runs.
+        Raises OSError if it cannot start (the log would not open, the fork server died)."""
+        if self._process is None:
+            self.start()
+        job = next(self._job_numbers)
+        started: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
+        self._starting[job] = started
+        fields = [str(job), str(containment), self._shell, os.fspath(log_path), entrypoint]
+        fields += [f"{name}={value}" for name, value in env.items()]
+        frame = b"\0".join(os.fsencode(field) for field in fields)
+        self._send(b"%d\n%s" % (len(frame), frame))
+        return await started
+
+    def close(self) -> None:
+        """End the fork server and wait for it (the jobs it started run on)."""
+        process = self._process
+        if process is not None:
+            self._died()
+            process.wait()
+
+    def _send(self, data: bytes) -> None:
+        self._unsent += data
+        if len(self._unsent) == len(data):
+            self._flush()
+
+    def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            written = os.write(self._requests, self._unsent)
+        except BlockingIOError:
+            written = 0
+        except OSError:
+            self._unsent.clear()  # it died: its reports' end says so
+            loop.remove_writer(self._requests)
+            return
+        del self._unsent[:written]
+        if self._unsent:
+            loop.add_writer(self._requests, self._flush)
+        else:
+            loop.remove_writer(self._requests)
+
+    def _read_reports(self) -> None:
+        try:
+            data = os.read(self._reports, _READ_SIZE)
+        except BlockingIOError:
+            return
+        if not data:
+            logger.warning("the fork server died; the next job starts a new one")
+            self._died()
+            return
+        *lines, self._partial_report = (self._partial_report + data).split(b"\n")
+        for line in lines:
+            what, job_number, detail = (line + b" ").split(b" ", 2)
+            job = int(job_number)
+            if what == b"forked":
+                self._forked[job] = int(detail)
+            elif what == b"started":
+                self._started(job, self._forked.pop(job))
+            else:
+                pid = self._forked.pop(job, None)
+                if pid is not None:
+                    _reap_later(pid)  # the launcher that could not exec its shell
+                self._starting.pop(job).set_exception(OSError(detail.strip().decode()))
+
+    def _started(self, job: int, pid: int) -> None:
+        started = self._starting.pop(job)
+        try:
+            process = ForkedProcess(pid)
+        except OSError as error:  # reaped by someone else already: its exit code is lost
+            if not started.done():
+                started.set_exception(error)
+            return
+        if started.cancelled():
+            # Nobody awaits it: it must not run on unseen.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+        else:
+            started.set_result(process)
+
+    def _died(self) -> None:
+        """Forget the fork server. What it was starting is killed (its launcher's group: the
+        launcher, and its init or shell) and fails to start; what it started runs on."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._reports)
+        loop.remove_writer(self._requests)
+        assert process.stdin is not None
+        assert process.stdout is not None
+        process.stdin.close()
+        process.stdout.close()
+        self._unsent.clear()
+        self._partial_report = b""
+        for pid in self._forked.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)  # it may not lead its group yet
+                os.killpg(pid, signal.SIGKILL)
+            _reap_later(pid)
+        for started in self._starting.values():
+            if not started.done():
+                started.set_exception(ForkServerDiedError("the supervisor's fork server died"))
+        self._starting.clear()
+        self._forked.clear()
+        process.poll()  # reaped now if it has ended; else by the supervisor's orphan reaping

@@ -1,0 +1,82 @@
+"""A fork server for the tests that drive one without Ray (tests/test_fork_server*.py), and
+what they look for in /proc."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jobs_server.manager.containment import SHELL, Containment
+from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.process import become_child_subreaper
+
+CONTAINMENTS = [
+    pytest.param(
+        containment,
+        marks=pytest.mark.skipif(
+            containment is Containment.PID_NAMESPACE and os.geteuid() != 0,
+            reason="a PID namespace needs CAP_SYS_ADMIN",
+        ),
+    )
+    for containment in Containment
+]
+REPO = Path(__file__).resolve().parent.parent
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+@contextlib.asynccontextmanager
+async def subreaper_fork_server(shell: str = SHELL) -> AsyncIterator[ForkServer]:
+    """A started fork server of this test process, made a child subreaper meanwhile (as a
+    supervisor is): the launchers are re-parented to it."""
+    assert become_child_subreaper()
+    server = ForkServer("fork-server-test", shell=shell)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+        ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def job_env(job_token: str) -> dict[str, str]:
+    return {**os.environ, "JOBS_SERVER_JOB_TOKEN": job_token}
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def marked_processes(marker: str) -> list[int]:
+    """Live processes anywhere on the node whose environment holds `marker` (NAME=value)."""
+    found = []
+    name, _, value = marker.partition("=")
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(name) == value and is_alive(process.pid):
+                found.append(process.pid)
+    return found
+
+
+async def wait_until(condition: Callable[[], object], what: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(0.02)
+
+
+def poll_until(condition: Callable[[], object], what: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)

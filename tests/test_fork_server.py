@@ -1,0 +1,204 @@
+"""The fork server (zygote) that starts a supervisor's jobs, with real processes and without Ray:
+what a job's command does and how it ends, and how its processes are found and stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jobs_server.manager.containment import Containment
+from jobs_server.manager.fork_server import ForkedProcess, ForkServer
+from jobs_server.manager.process import find_job_processes, kill_job_processes, signal_job_processes
+from tests.fork_servers import (
+    CONTAINMENTS,
+    job_env,
+    marked_processes,
+    subreaper_fork_server,
+    wait_until,
+)
+from tests.test_stopping import ESCAPED_SHELLS, MANY_THEN_FINISHES
+
+PYTHON = os.path.realpath(sys.executable)
+
+
+@pytest.fixture
+async def forks() -> AsyncIterator[ForkServer]:
+    async with subreaper_fork_server() as server:
+        yield server
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.NoSuchProcess):
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    return []
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+@pytest.mark.parametrize(
+    ("entrypoint", "exit_code", "log"),
+    [
+        ("echo out; echo err >&2; exit 3", 3, b"out\nerr\n"),
+        ("true", 0, b""),
+        ("kill -TERM $$", -signal.SIGTERM, b""),
+        ("kill -KILL $$", -signal.SIGKILL, b""),
+        ("yes | head -c 2", 0, b"y\n"),  # SIGPIPE ends `yes`, as in any shell
+        ("cat; echo read-nothing", 0, b"read-nothing\n"),  # stdin is /dev/null
+    ],
+)
+async def test_a_forked_job_ends_exactly_as_its_command(
+    forks: ForkServer,
+    tmp_path: Path,
+    containment: Containment,
+    entrypoint: str,
+    exit_code: int,
+    log: bytes,
+) -> None:
+    log_path = tmp_path / "job.log"
+    log_path.write_bytes(b"before\n")  # appended to, never truncated
+    process = await forks.spawn(
+        entrypoint, log_path=log_path, env=job_env("exits"), containment=containment
+    )
+    assert await asyncio.wait_for(process.wait(), 30) == exit_code
+    assert process.returncode == exit_code
+    assert log_path.read_bytes() == b"before\n" + log
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_forked_job_runs_with_its_own_environment_and_session(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    log_path = tmp_path / "job.log"
+    process = await forks.spawn(
+        'echo "$JOBS_SERVER_JOB_TOKEN $ONLY_HERE"; sleep 60',
+        log_path=log_path,
+        env={**job_env("own-env"), "ONLY_HERE": "yes"},
+        containment=containment,
+    )
+    try:
+        await wait_until(lambda: log_path.read_bytes(), "the job wrote nothing")
+        assert log_path.read_text() == "own-env yes\n"
+        assert os.getsid(process.pid) == process.pid  # a session of its own
+        # The supervisor's child (re-parented), as a launcher it starts itself is.
+        assert psutil.Process(process.pid).ppid() == os.getpid()
+        assert os.getsid(process.pid) != os.getsid(forks.pid or 0)
+    finally:
+        await kill_job_processes("own-env", process.pid, containment=containment)
+    assert await process.wait() == -signal.SIGKILL
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_started_means_the_shell_has_exec_d(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """RUNNING means it runs: when the start is reported, the deepest process of the job is
+    the shell (or what it runs), not a Python process of the fork server's."""
+    ran = []
+    for index in range(20):
+        process = await forks.spawn(
+            "sleep 60",
+            log_path=tmp_path / f"{index}.log",
+            env=job_env(f"exec-{index}"),
+            containment=containment,
+        )
+        ran.append([child.exe() != PYTHON for child in tree(process.pid)])
+        await kill_job_processes(f"exec-{index}", process.pid, containment=containment)
+        await process.wait()
+    assert [any(runs) for runs in ran] == [True] * len(ran)
+
+
+@pytest.mark.parametrize(
+    ("shell", "log_path", "reason"),
+    [
+        (
+            "/bin/sh",
+            Path("/nonexistent/job.log"),
+            "No such file or directory: '/nonexistent/job.log'",
+        ),
+        ("/nonexistent/sh", None, "No such file or directory: '/nonexistent/sh'"),
+    ],
+)
+async def test_a_job_that_cannot_start_raises(
+    tmp_path: Path, shell: str, log_path: Path | None, reason: str
+) -> None:
+    async with subreaper_fork_server(shell) as forks:
+        with pytest.raises(OSError, match=reason):
+            await forks.spawn(
+                "true",
+                log_path=log_path or tmp_path / "job.log",
+                env=job_env("no-start"),
+                containment=Containment.MARKER,
+            )
+        zygote = forks.pid
+        # The fork server goes on serving.
+        with contextlib.suppress(OSError):
+            await forks.spawn(
+                "exit 4", log_path=tmp_path / "next.log", env={}, containment=Containment.MARKER
+            )
+        assert forks.pid == zygote
+        assert (tmp_path / "next.log").exists()  # opened by the fork server: it served
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_stop_reaches_every_process_of_a_forked_job_at_once(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """As tests/test_stopping.py's for the launcher: no shell runs its next command."""
+    runs: list[tuple[ForkedProcess, Path, str]] = []
+    for index in range(20):
+        log_path, job_token = tmp_path / f"{index}.log", f"fork-stop-{index}"
+        process = await forks.spawn(
+            MANY_THEN_FINISHES, log_path=log_path, env=job_env(job_token), containment=containment
+        )
+        runs.append((process, log_path, job_token))
+    await asyncio.sleep(0.5)  # let the shells start their sleeps (a stop during it is fine too)
+    try:
+        for process, _, job_token in runs:
+            signal_job_processes(job_token, signal.SIGTERM, process.pid, containment=containment)
+        codes = [await asyncio.wait_for(process.wait(), 30) for process, _, _ in runs]
+    finally:
+        for process, _, job_token in runs:
+            await kill_job_processes(job_token, process.pid, containment=containment)
+    assert codes == [-signal.SIGTERM] * len(runs)
+    assert [log_path.read_bytes() for _, log_path, _ in runs] == [b""] * len(runs)
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_escaped_shells_of_a_forked_job_are_found_and_killed(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    log_path, job_token = tmp_path / "escaped.log", "fork-escaped"
+    process = await forks.spawn(
+        ESCAPED_SHELLS, log_path=log_path, env=job_env(job_token), containment=containment
+    )
+    # 1 + 8 shells, 8 + 1 sleeps (and an init).
+    expected = 18 + (containment == Containment.PID_NAMESPACE)
+    await wait_until(
+        lambda: len(find_job_processes(job_token, process.pid)) >= expected,
+        "the escaped shells never started",
+    )
+    await kill_job_processes(job_token, process.pid, containment=containment)
+    assert await process.wait() == -signal.SIGKILL
+    assert marked_processes(f"JOBS_SERVER_JOB_TOKEN={job_token}") == []
+    assert log_path.read_text() == "ready\n"
+
+
+def test_a_process_in_a_dead_launchers_session_is_found_without_a_marker() -> None:
+    """The init of a namespace whose launcher was killed carries no job marker (a fork server
+    forked it): the scan after the attempt finds it among this process's children by session."""
+    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        assert find_job_processes("no-such-job", session=orphan.pid) == [orphan.pid]
+        assert find_job_processes("no-such-job") == []
+    finally:
+        orphan.kill()
+        orphan.wait()

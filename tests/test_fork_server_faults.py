@@ -1,0 +1,200 @@
+"""The fork server's faults, with real processes and without Ray: a fork server killed while
+its jobs run or while it starts some, and a supervisor killed (its fork server dies with it,
+its guardian kills the jobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jobs_server.manager.containment import Containment
+from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
+from jobs_server.manager.process import kill_job_processes, signal_job_processes
+from tests.fork_servers import (
+    CONTAINMENTS,
+    REPO,
+    is_alive,
+    job_env,
+    marked_processes,
+    poll_until,
+    subreaper_fork_server,
+    wait_until,
+)
+
+
+@pytest.fixture
+async def forks() -> AsyncIterator[ForkServer]:
+    async with subreaper_fork_server() as server:
+        yield server
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_jobs_run_on_when_their_fork_server_is_killed_and_the_next_starts_a_new_one(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    processes = [
+        await forks.spawn(
+            "sleep 60; echo finished",
+            log_path=tmp_path / f"{index}.log",
+            env=job_env(f"zygote-killed-{index}"),
+            containment=containment,
+        )
+        for index in range(3)
+    ]
+    zygote = forks.pid
+    assert zygote is not None
+    os.kill(zygote, signal.SIGKILL)
+    await wait_until(lambda: forks.pid is None, "the fork server's death went unnoticed")
+    process = await forks.spawn(
+        "exit 5", log_path=tmp_path / "next.log", env={}, containment=containment
+    )
+    assert await process.wait() == 5
+    assert forks.pid not in (None, zygote)
+    assert [process.returncode for process in processes] == [None] * len(processes)
+    for index, process in enumerate(processes):
+        signal_job_processes(
+            f"zygote-killed-{index}", signal.SIGTERM, process.pid, containment=containment
+        )
+    codes = [await asyncio.wait_for(process.wait(), 15) for process in processes]
+    assert codes == [-signal.SIGTERM] * len(processes)
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_job_the_fork_server_was_starting_when_it_died_leaves_nothing(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """Killed in the middle of a burst of starts: each job either runs (and is awaited as
+    any), or failed to start and none of its processes is left."""
+    markers = [f"JOBS_SERVER_JOB_TOKEN=dies-starting-{containment}-{i}" for i in range(100)]
+    starts = [
+        asyncio.ensure_future(
+            forks.spawn(
+                "sleep 60",
+                log_path=tmp_path / f"{index}.log",
+                env={**os.environ, "JOBS_SERVER_JOB_TOKEN": marker.partition("=")[2]},
+                containment=containment,
+            )
+        )
+        for index, marker in enumerate(markers)
+    ]
+    # Once one has started, the others are being started.
+    await asyncio.wait(starts, return_when=asyncio.FIRST_COMPLETED)
+    assert forks.pid is not None
+    os.kill(forks.pid, signal.SIGKILL)
+    ended = await asyncio.gather(*starts, return_exceptions=True)
+    failed = [
+        marker for marker, end in zip(markers, ended, strict=True) if isinstance(end, BaseException)
+    ]
+    started = [end for end in ended if isinstance(end, ForkedProcess)]
+    assert len(started) + len(failed) == len(markers)
+    assert started
+    assert failed
+    assert {type(end) for end in ended if isinstance(end, BaseException)} <= {ForkServerDiedError}
+    try:
+        await wait_until(
+            lambda: not any(map(marked_processes, failed)), "a job that failed to start runs"
+        )
+        assert [process.returncode for process in started] == [None] * len(started)
+    finally:
+        for process in started:
+            await kill_job_processes("unused", process.pid, containment=containment)
+            await process.wait()
+
+
+# A supervisor's processes as supervisor.py prepares them: the guardian, a subreaper, the fork
+# server; then one job.
+SUPERVISOR_SCRIPT = """
+import asyncio, os, subprocess, sys, time
+from pathlib import Path
+from jobs_server.manager.containment import Containment
+from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
+from jobs_server.manager.process import become_child_subreaper
+
+async def main():
+    token = sys.argv[4]
+    if sys.argv[5] == "guardian":
+        guardian = start_guardian(token)
+    become_child_subreaper()
+    forks = ForkServer(token)
+    forks.start()
+    process = await forks.spawn(
+        "sleep 600; echo never", log_path=Path(sys.argv[1]),
+        env={"JOBS_SERVER_JOB_TOKEN": token, SUPERVISOR_TOKEN_ENV_VAR: token},
+        containment=Containment(sys.argv[2]),
+    )
+    if sys.argv[3] == "keep-requests-open":
+        # Another process holds the request pipe: no EOF, only the parent-death signal.
+        subprocess.Popen(["sleep", "600"], pass_fds=(forks._requests,), start_new_session=True)
+    print(forks.pid, process.pid, flush=True)
+    time.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+@pytest.mark.parametrize(
+    ("requests", "guardian"),
+    [
+        # Each way the fork server learns its supervisor died, alone: EOF on its requests,
+        # its parent-death signal (the guardian would kill it too).
+        ("close-requests", "no-guardian"),
+        ("keep-requests-open", "no-guardian"),
+        ("close-requests", "guardian"),
+    ],
+)
+def test_the_fork_server_and_its_jobs_die_with_the_supervisor(
+    tmp_path: Path, containment: Containment, requests: str, guardian: str
+) -> None:
+    marker = f"JOBS_SERVER_JOB_TOKEN=supervisor-dies-{containment}-{requests}-{guardian}"
+    supervisor = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            SUPERVISOR_SCRIPT,
+            str(tmp_path / "job.log"),
+            containment,
+            requests,
+            marker.partition("=")[2],
+            guardian,
+        ],
+        stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    holders = []
+    try:
+        assert supervisor.stdout is not None
+        zygote, launcher = map(int, supervisor.stdout.readline().split())
+        holders = [
+            child.pid
+            for child in psutil.Process(supervisor.pid).children()
+            if child.pid != zygote and child.name() == "sleep"
+        ]
+        assert is_alive(zygote)
+        assert is_alive(launcher)
+        supervisor.kill()
+        supervisor.wait()
+        poll_until(lambda: not is_alive(zygote), "the fork server outlived its supervisor")
+        if guardian == "guardian":
+            # The launchers carry the supervisor's marker (the fork server's environment).
+            poll_until(lambda: not is_alive(launcher), "a launcher outlived its supervisor")
+            poll_until(
+                lambda: not marked_processes(marker), "a job process outlived its supervisor"
+            )
+    finally:
+        for pid in holders + marked_processes(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if supervisor.poll() is None:
+            supervisor.kill()
+            supervisor.wait()
