@@ -15,7 +15,6 @@ from ray import cloudpickle
 import jobs_server
 from jobs_server.disk_guard import storage_errors_refused
 from jobs_server.errors import (
-    InvalidJobOptionsError,
     InvalidRequestError,
     JobNotFoundError,
     JobNotTerminalError,
@@ -37,7 +36,6 @@ from jobs_server.manager.logs import (
     job_log_path,
     log_size,
     read_log_chunks,
-    set_aside_orphaned_log,
 )
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -134,6 +132,7 @@ class JobManager:
             queue=self._queue,
             store=self._store,
             history=self._history,
+            archive=archive,
             launcher=self._launcher,
             watchers=self._watchers,
             supervisors=self._supervisors,
@@ -236,19 +235,9 @@ class JobManager:
             self._queue.enqueue(record)
             self._dispatcher.fill()
             return record
-        try:
-            await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
-            await self._store.create(record)
-            launch = await self._launcher.launch(record)
-        except Exception as error:
-            with contextlib.suppress(Exception):
-                await self._store.delete(record)
-            await self._archive.delete(record.submission_id, record.run_id)
-            self._dispatcher.run_ended(record)
-            if isinstance(error, ValueError | TypeError | ArithmeticError):
-                raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
-            raise
-        self._watchers.watch(record, launch)
+        # The way a queued job goes (a stop that meets it calls it off), but a refusal of Ray's
+        # withdraws it and is the answer.
+        await self._dispatcher.hand_over_now(record)
         return record
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
