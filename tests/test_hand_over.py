@@ -2,29 +2,36 @@
 queued one (Dispatcher), so a stop that races its hand-over calls it off the same way: on a real
 server and real Ray, a stop arrives while the hand-over is held at each of its moments (recorded
 but not in the KV yet; in the KV, no supervisor yet; supervisor up, not asked to run it yet;
-asked)."""
+asked). And a job's start timeout counts from its hand-over, across a restart too."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
 import psutil
 import pytest
+import ray
 from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
-from jobs_server.manager import JobManager, JobRecord
+from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
+from jobs_server.manager import job_manager as job_manager_module
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
-from tests.conftest import wait_for_status
+from tests.conftest import kill_actors_in_namespace, wait_for_status
+from tests.managers import running_manager
+from tests.test_queue import TERMINAL, until_status
 
 Client = TestClient[Any, Any]
 WAIT_S = 90.0
+# The session's cluster (tests/conftest.py: `ray start --num-cpus=4`).
+CLUSTER_CPUS = 4
 
 
 async def until(predicate: Callable[[], bool], what: str) -> None:
@@ -126,3 +133,56 @@ async def test_a_stop_racing_a_submit_s_hand_over_calls_the_job_off(
     assert processes_mentioning(str(gate)) == []
     if moment != "handed_over":
         assert job["message"] == NEVER_STARTED_MESSAGE
+
+
+@ray.remote
+class _CpuHog:
+    """Holds CPUs of the cluster until killed: a job that asks for one waits for Ray."""
+
+    def ping(self) -> None:
+        pass
+
+
+async def test_after_a_restart_the_start_timeout_counts_from_the_hand_over_not_the_submit(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that waited in the queue longer than the start timeout, handed over (waiting for
+    a CPU) when the server restarts: the next server gives it the start timeout from its
+    hand-over, so it runs once the CPU is free."""
+    namespace = f"test_hand_over_{uuid.uuid4().hex[:8]}"
+    state_dir, gate = tmp_path / "state", tmp_path / "gate"
+    hog = _CpuHog.options(num_cpus=CLUSTER_CPUS).remote()  # type: ignore[attr-defined]
+    try:
+        await hog.ping.remote()
+        async with running_manager(ray_connection, namespace, state_dir, max_running_jobs=1) as (
+            manager,
+            _,
+        ):
+            blocker = JobSpec(
+                submission_id="blocker", entrypoint=f"while [ ! -e {gate} ]; do sleep 0.05; done"
+            )
+            await manager.submit_job(blocker)
+            await until_status(manager, "blocker", {JobStatus.RUNNING})
+            # Submitted an hour ago (as far as its record says): it waited in the queue since.
+            submitted_at = job_manager_module.now_ms() - 3_600_000
+            with monkeypatch.context() as clock:
+                clock.setattr(job_manager_module, "now_ms", lambda: submitted_at)
+                await manager.submit_job(
+                    JobSpec(submission_id="late", entrypoint="true", entrypoint_num_cpus=1)
+                )
+            gate.touch()
+            await until(
+                lambda: (
+                    "late" not in manager._queue and "late" not in manager._dispatcher._handing_over
+                ),
+                "the hand-over",
+            )
+            assert (await manager.get_job("late")).status is JobStatus.PENDING
+        # The next server adopts it; then the CPU it waits for frees.
+        async with running_manager(ray_connection, namespace, state_dir) as (manager, _):
+            ray.kill(hog)
+            late = await until_status(manager, "late", TERMINAL)
+            assert late.status is JobStatus.SUCCEEDED, late.message
+    finally:
+        ray.kill(hog)
+        kill_actors_in_namespace(namespace)

@@ -142,7 +142,9 @@ class Dispatcher:
         name = queued.supervisor_name or ""
         if not is_dedicated(name):
             name = self._supervisors.name_for(queued.spec, queued.run_id)
-        record = queued.with_changes(message=PENDING_MESSAGE, supervisor_name=name)
+        record = queued.with_changes(
+            message=PENDING_MESSAGE, supervisor_name=name, handed_over_time=now_ms()
+        )
         try:
             await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
@@ -161,9 +163,9 @@ class Dispatcher:
                 await self._withdraw(record, error)  # raises the error for the client
             await self._fail(record, error)
             return HandOver.FAILED
-        # The start timeout (--job-start-timeout-s) counts from the hand-over, not from the
-        # submit: the time it waited in the queue is not time it waited to start.
-        self._watchers.watch(record.with_changes(start_time=now_ms()), launch)
+        # The start timeout (--job-start-timeout-s) counts from the hand-over, recorded in the
+        # KV (a server that adopts the job after a restart counts from it too).
+        self._watchers.watch(record, launch)
         return HandOver.STARTED
 
     async def _withdraw(self, record: JobRecord, error: Exception) -> NoReturn:
