@@ -26,8 +26,10 @@ from typing import NoReturn
 
 import ray
 
-from jobs_server.errors import InvalidJobOptionsError
+from jobs_server.disk_guard import is_disk_full
+from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
 from jobs_server.manager.archive import Archive
+from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
@@ -70,6 +72,7 @@ class Dispatcher:
         store: JobStore,
         history: JobHistory,
         archive: Archive,
+        ends: DeferredEnds,
         launcher: Launcher,
         watchers: JobWatchers,
         supervisors: Supervisors,
@@ -79,6 +82,7 @@ class Dispatcher:
         self._store = store
         self._history = history
         self._archive = archive
+        self._ends = ends
         self._launcher = launcher
         self._watchers = watchers
         self._handing_over: dict[str, asyncio.Task[HandOver]] = {}
@@ -170,12 +174,24 @@ class Dispatcher:
 
     async def _withdraw(self, record: JobRecord, error: Exception) -> NoReturn:
         """A submit's hand-over failed: the job is withdrawn (its row deleted, as if it had
-        never been submitted; its slot freed) and the error raised for the client."""
+        never been submitted; its slot freed) and the error raised for the client. On a full
+        disk it cannot be: it is recorded FAILED instead, and the client told so (507)."""
         logger.info("submit of job %s withdrawn: %s", record.submission_id, error)
         try:
+            # The row first: while the KV still has the run, a failure here can end it there.
+            try:
+                await self._archive.delete(record.submission_id, record.run_id)
+            except Exception as delete_error:
+                if not is_disk_full(delete_error):
+                    raise
+                await self._record_failure(record, error)
+                raise InsufficientStorageError(
+                    f"The job's supervisor could not be started: {error}. The server's disk is "
+                    "full, so the job could not be withdrawn: it is recorded FAILED (delete it "
+                    "once space is freed to submit its id again)."
+                ) from error
             with contextlib.suppress(Exception):
                 await self._store.delete(record)
-            await self._archive.delete(record.submission_id, record.run_id)
         finally:
             self.run_ended(record)
         if isinstance(error, ValueError | TypeError | ArithmeticError):
@@ -199,19 +215,28 @@ class Dispatcher:
 
     async def _fail(self, record: JobRecord, error: Exception) -> None:
         """The hand-over failed (Ray refused the supervisor): the job fails, its slot frees."""
-        logger.warning("handing job %s over failed: %s", record.submission_id, error)
-        failed = record.with_changes(
-            status=JobStatus.FAILED,
-            end_time=now_ms(),
-            error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
-            message=f"The job's supervisor could not be started: {error}",
-        )
         try:
-            with contextlib.suppress(Exception):
-                await self._store.delete(record)
-            await self._history.archive_end(failed)
+            await self._record_failure(record, error)
         finally:
             self.run_ended(record)
+
+    async def _record_failure(self, record: JobRecord, error: Exception) -> None:
+        """End the run FAILED: in the KV first (where a restart finds it if the disk is full),
+        then in the archive (once the disk takes it)."""
+        logger.warning("handing job %s over failed: %s", record.submission_id, error)
+        changes = {
+            "status": JobStatus.FAILED,
+            "error_type": JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
+            "message": f"The job's supervisor could not be started: {error}",
+        }
+        try:
+            failed = await self._store.update(record.submission_id, record.run_id, **changes)
+        except Exception:
+            # The KV did not take its record (that may be what failed): the archive only.
+            logger.warning("recording job %s failed in the KV failed", record.submission_id)
+            failed = record.with_changes(end_time=now_ms(), **changes)
+        if await self._ends.archive(failed):
+            await self._history.forget(failed)
 
     async def stop_before_start(self, record: JobRecord) -> bool | None:
         """Stop the run `record` if it has not been handed to a supervisor: True once it is

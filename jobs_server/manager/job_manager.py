@@ -21,6 +21,7 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.dispatcher import PENDING_MESSAGE, Dispatcher
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
@@ -128,11 +129,14 @@ class JobManager:
             on_watch=self._queue.hold,
             on_end=lambda record: self._dispatcher.run_ended(record),
         )
+        # Ends the server decides while the disk is full, archived once it takes them.
+        self._ends = DeferredEnds(self._history)
         self._dispatcher = Dispatcher(
             queue=self._queue,
             store=self._store,
             history=self._history,
             archive=archive,
+            ends=self._ends,
             launcher=self._launcher,
             watchers=self._watchers,
             supervisors=self._supervisors,
@@ -199,6 +203,7 @@ class JobManager:
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stopper.stop_all_jobs(self._stop_jobs_on_close_s)
+        await self._ends.close()
         await self._watchers.close()
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
