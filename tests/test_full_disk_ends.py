@@ -19,6 +19,7 @@ from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager import JobManager, JobRecord
 from jobs_server.manager.archive import archive_path
+from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
 from tests.openapi_contract import Contract
@@ -135,3 +136,59 @@ async def test_a_hand_over_refused_on_a_full_disk_ends_failed_not_pending(
     (tmp_path / "gate").touch()
     after = await submit(client, entrypoint="true")
     assert (await wait_for_status(client, after, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
+
+
+@pytest.mark.parametrize("space_back", ["while_running", "before_next_start"])
+async def test_a_stop_while_the_disk_is_full_stops_the_job_and_is_archived_later(
+    aiohttp_client: AiohttpClient,
+    disk_settings: Settings,
+    small_disk: Path,  # noqa: F811
+    tmp_path: Path,
+    contract: Contract,
+    space_back: str,
+) -> None:
+    """A running job, one handed over that waits for resources it will never get, and a queued
+    one, each stopped on a full disk: 200 {"stopped": true}, STOPPED at once (the KV has it),
+    archived once the disk takes it or by the next server."""
+    settings = disk_settings.model_copy(update={"max_running_jobs": 2})
+    client = await aiohttp_client(create_app(settings))
+    state_dir, gate, marker = settings.state_dir, tmp_path / "gate", tmp_path / "ran"
+    await submit(
+        client, submission_id="running", entrypoint=f"while [ ! -e {gate} ]; do sleep 0.05; done"
+    )
+    await wait_for_status(client, "running", {"RUNNING"})
+    await submit(
+        client, submission_id="waiting", entrypoint=f"touch {marker}", entrypoint_num_cpus=1000
+    )
+    await submit(client, submission_id="queued", entrypoint=f"touch {marker}")
+    assert (await wait_for_status(client, "queued", {"PENDING"}))["message"].startswith("Queued")
+    filler = fill(small_disk, 0)
+
+    for job_id in ("queued", "waiting", "running"):
+        path = f"/api/jobs/{job_id}/stop"
+        async with client.post(path) as response:
+            answer = contract.check_response(
+                "POST", path, response.status, response.headers, await response.read()
+            )
+        assert (response.status, answer) == (200, {"stopped": True}), (job_id, answer)
+    ended = {job_id: await wait_for_status(client, job_id) for job_id in ("queued", "waiting")}
+    assert {job["status"] for job in ended.values()} == {"STOPPED"}
+    assert {job["message"] for job in ended.values()} == {NEVER_STARTED_MESSAGE}
+    running = await wait_for_status(client, "running", timeout_s=WAIT_S)
+    assert running["status"] == "STOPPED", running
+    assert archived(state_dir, "queued") == "PENDING"  # the disk took nothing yet
+
+    if space_back == "while_running":
+        filler.unlink()
+        for job_id in ("queued", "waiting", "running"):
+            await until_archived(state_dir, job_id, "STOPPED")
+        await client.close()
+    else:
+        await client.close()
+        filler.unlink()
+    client = await aiohttp_client(create_app(settings))
+    for job_id in ("queued", "waiting", "running"):
+        again = await wait_for_status(client, job_id, timeout_s=WAIT_S)
+        assert again["status"] == "STOPPED", again
+        assert archived(state_dir, job_id) == "STOPPED"
+    assert not marker.exists()

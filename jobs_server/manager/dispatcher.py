@@ -206,8 +206,8 @@ class Dispatcher:
                 status=JobStatus.STOPPED,
                 message=NEVER_STARTED_MESSAGE,
             )
-            await self._history.archive_end(ended)
-            await self._history.forget(ended)
+            if await self._ends.archive(ended):
+                await self._history.forget(ended)
             if supervisor is not None and is_dedicated(record.supervisor_name or ""):
                 await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         finally:
@@ -238,6 +238,17 @@ class Dispatcher:
         if await self._ends.archive(failed):
             await self._history.forget(failed)
 
+    async def _archive_stop_of_queued(self, stopped: JobRecord) -> None:
+        """Archive the end of a queued job; on a full disk the KV holds it (read at once, and
+        by a restart's recovery, which archives it) until the disk takes it."""
+        try:
+            await self._history.archive_end(stopped)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            await self._store.create(stopped)
+            await self._ends.archive(stopped)
+
     async def stop_before_start(self, record: JobRecord) -> bool | None:
         """Stop the run `record` if it has not been handed to a supervisor: True once it is
         archived STOPPED (its command never runs), False if its hand-over failed (it ended
@@ -249,7 +260,7 @@ class Dispatcher:
                 status=JobStatus.STOPPED, end_time=now_ms(), message=NEVER_STARTED_MESSAGE
             )
             try:
-                await self._history.archive_end(stopped)
+                await self._archive_stop_of_queued(stopped)
             except BaseException:
                 self._queue.requeue(withdrawn)  # still queued, as its row says
                 raise

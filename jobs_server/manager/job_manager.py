@@ -153,6 +153,7 @@ class JobManager:
             archive=archive,
             supervisors=self._supervisors,
             dispatcher=self._dispatcher,
+            ends=self._ends,
             queue=self._queue,
             watchers=self._watchers,
             stop_grace_s=stop_grace_s,
