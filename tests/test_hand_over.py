@@ -30,8 +30,6 @@ from tests.test_queue import TERMINAL, until_status
 
 Client = TestClient[Any, Any]
 WAIT_S = 90.0
-# The session's cluster (tests/conftest.py: `ray start --num-cpus=4`).
-CLUSTER_CPUS = 4
 
 
 async def until(predicate: Callable[[], bool], what: str) -> None:
@@ -151,7 +149,9 @@ async def test_after_a_restart_the_start_timeout_counts_from_the_hand_over_not_t
     hand-over, so it runs once the CPU is free."""
     namespace = f"test_hand_over_{uuid.uuid4().hex[:8]}"
     state_dir, gate = tmp_path / "state", tmp_path / "gate"
-    hog = _CpuHog.options(num_cpus=CLUSTER_CPUS).remote()  # type: ignore[attr-defined]
+    # Every CPU free now: a job that asks for one waits until the hog is killed.
+    free_cpus = ray.available_resources().get("CPU", 0.0)
+    hog = _CpuHog.options(num_cpus=free_cpus).remote()  # type: ignore[attr-defined]
     try:
         await hog.ping.remote()
         async with running_manager(ray_connection, namespace, state_dir, max_running_jobs=1) as (
@@ -180,6 +180,7 @@ async def test_after_a_restart_the_start_timeout_counts_from_the_hand_over_not_t
             assert (await manager.get_job("late")).status is JobStatus.PENDING
         # The next server adopts it; then the CPU it waits for frees.
         async with running_manager(ray_connection, namespace, state_dir) as (manager, _):
+            assert (await manager.get_job("late")).status is JobStatus.PENDING
             ray.kill(hog)
             late = await until_status(manager, "late", TERMINAL)
             assert late.status is JobStatus.SUCCEEDED, late.message

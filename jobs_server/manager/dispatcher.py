@@ -233,7 +233,7 @@ class Dispatcher:
             failed = await self._store.update(record.submission_id, record.run_id, **changes)
         except Exception:
             # The KV did not take its record (that may be what failed): the archive only.
-            logger.warning("recording job %s failed in the KV failed", record.submission_id)
+            logger.warning("the KV did not take job %s's end", record.submission_id, exc_info=True)
             failed = record.with_changes(end_time=now_ms(), **changes)
         if await self._ends.archive(failed):
             await self._history.forget(failed)
