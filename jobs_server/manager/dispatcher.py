@@ -5,6 +5,11 @@ slot frees (a watcher saw its job's end) or a job is queued, `fill` takes the ne
 queue's order (job_queue.py), each holding its slot from that moment, and hands each over in a
 task of its own: its KV record, its supervisor, its watcher.
 
+A job submitted while a slot is free is handed over the same way, at once (`hand_over_now`):
+one path, so a stop meets the same hand-over whichever way the job came. They differ only in
+what a hand-over that Ray refuses does (`LaunchFailure`): a submit is withdrawn and its error
+is the client's answer; a queued job, accepted long ago, ends FAILED.
+
 A stop of a queued job takes it out of the queue and archives it STOPPED: its command never
 runs. A stop that meets the job while it is being handed over calls the hand-over off before the
 supervisor is asked to run it (or, if that was already asked, lets the usual stop do its work).
@@ -17,9 +22,14 @@ import contextlib
 import functools
 import logging
 from enum import Enum
+from typing import NoReturn
 
 import ray
 
+from jobs_server.disk_guard import is_disk_full
+from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
+from jobs_server.manager.archive import Archive
+from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
@@ -43,6 +53,15 @@ class HandOver(Enum):
     FAILED = "failed"
 
 
+class LaunchFailure(Enum):
+    """What a hand-over that Ray refused (or a KV that did not take the record) does."""
+
+    WITHDRAW = "withdraw"
+    """A submit's: the job is withdrawn (as if never submitted) and the error is raised."""
+    FAIL = "fail"
+    """A queued job's (its submit was answered long ago): it ends FAILED."""
+
+
 class Dispatcher:
     """Moves jobs from the queue to their supervisors; owns the hand-over tasks."""
 
@@ -52,6 +71,8 @@ class Dispatcher:
         queue: JobQueue,
         store: JobStore,
         history: JobHistory,
+        archive: Archive,
+        ends: DeferredEnds,
         launcher: Launcher,
         watchers: JobWatchers,
         supervisors: Supervisors,
@@ -60,6 +81,8 @@ class Dispatcher:
         self._supervisors = supervisors
         self._store = store
         self._history = history
+        self._archive = archive
+        self._ends = ends
         self._launcher = launcher
         self._watchers = watchers
         self._handing_over: dict[str, asyncio.Task[HandOver]] = {}
@@ -93,41 +116,89 @@ class Dispatcher:
         if not self._started or self._closed:
             return
         while (record := self._queue.next_to_dispatch()) is not None:
-            task = asyncio.create_task(self._hand_over(record), name=f"dispatch-{record.run_id}")
-            self._handing_over[record.submission_id] = task
-            task.add_done_callback(functools.partial(self._done, record.submission_id))
+            self._begin_hand_over(record, LaunchFailure.FAIL)
+
+    async def hand_over_now(self, record: JobRecord) -> HandOver:
+        """Hand over a job just submitted and admitted (its slot taken, its row archived);
+        if Ray refuses it, it is withdrawn and the error raised (InvalidJobOptionsError for
+        options Ray rejects)."""
+        return await self._begin_hand_over(record, LaunchFailure.WITHDRAW)
+
+    def _begin_hand_over(
+        self, record: JobRecord, on_failure: LaunchFailure
+    ) -> asyncio.Task[HandOver]:
+        # Registered before any await: a stop from now on finds the hand-over and waits for it.
+        task = asyncio.create_task(
+            self._hand_over(record, on_failure), name=f"dispatch-{record.run_id}"
+        )
+        self._handing_over[record.submission_id] = task
+        task.add_done_callback(functools.partial(self._done, record.submission_id))
+        return task
 
     def _done(self, submission_id: str, _: asyncio.Task[HandOver]) -> None:
         self._handing_over.pop(submission_id, None)
         self._called_off.discard(submission_id)
 
-    async def _hand_over(self, queued: JobRecord) -> HandOver:
+    async def _hand_over(self, queued: JobRecord, on_failure: LaunchFailure) -> HandOver:
         """Create the run's KV record and supervisor and start it, unless a stop called it off
         first (it is then archived STOPPED); a called-off or failed run frees its slot."""
         # A shared supervisor of this server's version (the row may be an earlier server's).
         name = queued.supervisor_name or ""
         if not is_dedicated(name):
             name = self._supervisors.name_for(queued.spec, queued.run_id)
-        record = queued.with_changes(message=PENDING_MESSAGE, supervisor_name=name)
+        record = queued.with_changes(
+            message=PENDING_MESSAGE, supervisor_name=name, handed_over_time=now_ms()
+        )
         try:
             await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
-            supervisor = await self._launcher.supervisor_for(record)
+            supervisor = None
+            if record.submission_id not in self._called_off:
+                supervisor = await self._launcher.supervisor_for(record)
             if record.submission_id in self._called_off:
                 await self._end_called_off(record, supervisor)
                 return HandOver.CALLED_OFF
+            assert supervisor is not None
             launch = self._launcher.start(record, supervisor)
         except asyncio.CancelledError:
             raise
         except Exception as error:
+            if on_failure is LaunchFailure.WITHDRAW:
+                await self._withdraw(record, error)  # raises the error for the client
             await self._fail(record, error)
             return HandOver.FAILED
-        # The start timeout (--job-start-timeout-s) counts from the hand-over, not from the
-        # submit: the time it waited in the queue is not time it waited to start.
-        self._watchers.watch(record.with_changes(start_time=now_ms()), launch)
+        # The start timeout (--job-start-timeout-s) counts from the hand-over, recorded in the
+        # KV (a server that adopts the job after a restart counts from it too).
+        self._watchers.watch(record, launch)
         return HandOver.STARTED
 
-    async def _end_called_off(self, record: JobRecord, supervisor: object) -> None:
+    async def _withdraw(self, record: JobRecord, error: Exception) -> NoReturn:
+        """A submit's hand-over failed: the job is withdrawn (its row deleted, as if it had
+        never been submitted; its slot freed) and the error raised for the client. On a full
+        disk it cannot be: it is recorded FAILED instead, and the client told so (507)."""
+        logger.info("submit of job %s withdrawn: %s", record.submission_id, error)
+        try:
+            # The row first: while the KV still has the run, a failure here can end it there.
+            try:
+                await self._archive.delete(record.submission_id, record.run_id)
+            except Exception as delete_error:
+                if not is_disk_full(delete_error):
+                    raise
+                await self._record_failure(record, error)
+                raise InsufficientStorageError(
+                    f"The job's supervisor could not be started: {error}. The server's disk is "
+                    "full, so the job could not be withdrawn: it is recorded FAILED (delete it "
+                    "once space is freed to submit its id again)."
+                ) from error
+            with contextlib.suppress(Exception):
+                await self._store.delete(record)
+        finally:
+            self.run_ended(record)
+        if isinstance(error, ValueError | TypeError | ArithmeticError):
+            raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
+        raise error
+
+    async def _end_called_off(self, record: JobRecord, supervisor: object | None) -> None:
         try:
             ended = await self._store.update(
                 record.submission_id,
@@ -135,28 +206,48 @@ class Dispatcher:
                 status=JobStatus.STOPPED,
                 message=NEVER_STARTED_MESSAGE,
             )
-            await self._history.archive_end(ended)
-            await self._history.forget(ended)
-            if is_dedicated(record.supervisor_name or ""):
+            if await self._ends.archive(ended):
+                await self._history.forget(ended)
+            if supervisor is not None and is_dedicated(record.supervisor_name or ""):
                 await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         finally:
             self.run_ended(record)
 
     async def _fail(self, record: JobRecord, error: Exception) -> None:
         """The hand-over failed (Ray refused the supervisor): the job fails, its slot frees."""
-        logger.warning("handing job %s over failed: %s", record.submission_id, error)
-        failed = record.with_changes(
-            status=JobStatus.FAILED,
-            end_time=now_ms(),
-            error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
-            message=f"The job's supervisor could not be started: {error}",
-        )
         try:
-            with contextlib.suppress(Exception):
-                await self._store.delete(record)
-            await self._history.archive_end(failed)
+            await self._record_failure(record, error)
         finally:
             self.run_ended(record)
+
+    async def _record_failure(self, record: JobRecord, error: Exception) -> None:
+        """End the run FAILED: in the KV first (where a restart finds it if the disk is full),
+        then in the archive (once the disk takes it)."""
+        logger.warning("handing job %s over failed: %s", record.submission_id, error)
+        changes = {
+            "status": JobStatus.FAILED,
+            "error_type": JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE,
+            "message": f"The job's supervisor could not be started: {error}",
+        }
+        try:
+            failed = await self._store.update(record.submission_id, record.run_id, **changes)
+        except Exception:
+            # The KV did not take its record (that may be what failed): the archive only.
+            logger.warning("the KV did not take job %s's end", record.submission_id, exc_info=True)
+            failed = record.with_changes(end_time=now_ms(), **changes)
+        if await self._ends.archive(failed):
+            await self._history.forget(failed)
+
+    async def _archive_stop_of_queued(self, stopped: JobRecord) -> None:
+        """Archive the end of a queued job; on a full disk the KV holds it (read at once, and
+        by a restart's recovery, which archives it) until the disk takes it."""
+        try:
+            await self._history.archive_end(stopped)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            await self._store.create(stopped)
+            await self._ends.archive(stopped)
 
     async def stop_before_start(self, record: JobRecord) -> bool | None:
         """Stop the run `record` if it has not been handed to a supervisor: True once it is
@@ -169,7 +260,7 @@ class Dispatcher:
                 status=JobStatus.STOPPED, end_time=now_ms(), message=NEVER_STARTED_MESSAGE
             )
             try:
-                await self._history.archive_end(stopped)
+                await self._archive_stop_of_queued(stopped)
             except BaseException:
                 self._queue.requeue(withdrawn)  # still queued, as its row says
                 raise
@@ -178,7 +269,12 @@ class Dispatcher:
         if task is None:
             return None
         self._called_off.add(record.submission_id)
-        outcome = await asyncio.shield(task)
+        try:
+            outcome = await asyncio.shield(task)
+        except Exception:
+            # A submit's hand-over that failed: the job was withdrawn (the usual stop finds no
+            # job), or it could not be (it is recorded as it ended).
+            return None
         if outcome is HandOver.STARTED:
             return None
         return outcome is HandOver.CALLED_OFF

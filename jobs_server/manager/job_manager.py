@@ -15,13 +15,13 @@ from ray import cloudpickle
 import jobs_server
 from jobs_server.disk_guard import storage_errors_refused
 from jobs_server.errors import (
-    InvalidJobOptionsError,
     InvalidRequestError,
     JobNotFoundError,
     JobNotTerminalError,
 )
 from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
 from jobs_server.manager.cluster_resources import ClusterResources
+from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.dispatcher import PENDING_MESSAGE, Dispatcher
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent
@@ -37,7 +37,6 @@ from jobs_server.manager.logs import (
     job_log_path,
     log_size,
     read_log_chunks,
-    set_aside_orphaned_log,
 )
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -130,10 +129,14 @@ class JobManager:
             on_watch=self._queue.hold,
             on_end=lambda record: self._dispatcher.run_ended(record),
         )
+        # Ends the server decides while the disk is full, archived once it takes them.
+        self._ends = DeferredEnds(self._history)
         self._dispatcher = Dispatcher(
             queue=self._queue,
             store=self._store,
             history=self._history,
+            archive=archive,
+            ends=self._ends,
             launcher=self._launcher,
             watchers=self._watchers,
             supervisors=self._supervisors,
@@ -150,6 +153,7 @@ class JobManager:
             archive=archive,
             supervisors=self._supervisors,
             dispatcher=self._dispatcher,
+            ends=self._ends,
             queue=self._queue,
             watchers=self._watchers,
             stop_grace_s=stop_grace_s,
@@ -200,6 +204,7 @@ class JobManager:
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stopper.stop_all_jobs(self._stop_jobs_on_close_s)
+        await self._ends.close()
         await self._watchers.close()
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
@@ -236,19 +241,9 @@ class JobManager:
             self._queue.enqueue(record)
             self._dispatcher.fill()
             return record
-        try:
-            await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
-            await self._store.create(record)
-            launch = await self._launcher.launch(record)
-        except Exception as error:
-            with contextlib.suppress(Exception):
-                await self._store.delete(record)
-            await self._archive.delete(record.submission_id, record.run_id)
-            self._dispatcher.run_ended(record)
-            if isinstance(error, ValueError | TypeError | ArithmeticError):
-                raise InvalidJobOptionsError(f"Invalid job options: {error}") from error
-            raise
-        self._watchers.watch(record, launch)
+        # The way a queued job goes (a stop that meets it calls it off), but a refusal of Ray's
+        # withdraws it and is the answer.
+        await self._dispatcher.hand_over_now(record)
         return record
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:

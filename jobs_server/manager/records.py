@@ -139,6 +139,10 @@ class JobRecord(BaseModel):
     ends."""
     tenant: str = DEFAULT_TENANT
     """Whose job it is: the tenant of the key that submitted it."""
+    handed_over_time: int | None = None
+    """When the job was handed to its supervisor (unix ms): its start timeout counts from here,
+    not from its submit (`start_time`), so time spent in the queue is not time spent starting.
+    None in a record an earlier server wrote: the start timeout counts from `start_time`."""
 
     @property
     def submission_id(self) -> str:

@@ -148,6 +148,10 @@ class Recovery:
             logger.info(
                 "job %s was never handed to a supervisor; starting it", record.submission_id
             )
+            # Handed over now: its start timeout counts from here.
+            record = await self._store.update(
+                record.submission_id, record.run_id, handed_over_time=now_ms()
+            )
             self._watchers.watch(record, await self._launcher.launch(record))
             return
         if supervisor is None:

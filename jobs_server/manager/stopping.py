@@ -13,8 +13,10 @@ from typing import Any
 import ray
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
+from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError, SupervisorUnreachableError
 from jobs_server.manager.archive import Archive
+from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.dispatcher import Dispatcher
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
@@ -48,6 +50,7 @@ class JobStopper:
         archive: Archive,
         supervisors: Supervisors,
         dispatcher: Dispatcher,
+        ends: DeferredEnds,
         queue: JobQueue,
         watchers: JobWatchers,
         stop_grace_s: float,
@@ -58,6 +61,7 @@ class JobStopper:
         self._archive = archive
         self._supervisors = supervisors
         self._dispatcher = dispatcher
+        self._ends = ends
         self._queue = queue
         self._watchers = watchers
         self._stop_grace_s = stop_grace_s
@@ -89,7 +93,7 @@ class JobStopper:
         # of the job runs; the end it recorded in the KV is archived now, so a read right after
         # the stop sees it.
         if supervisor is not None and await self._call_off(record, supervisor):
-            await self._history.learn(record)
+            await self._learn_end(record)
             return True
         # No supervisor answered (its own one is not up yet, or it is gone): the command has
         # not started. Compare-and-set: if the job ended (or started and was stopped) first,
@@ -109,12 +113,22 @@ class JobStopper:
             if stored.run_id != record.run_id or not stored.status.is_terminal():
                 raise
             return stored.status is JobStatus.STOPPED
-        await self._history.archive_end(ended)
+        await self._ends.archive(ended)
         if supervisor is not None and is_dedicated(name):
             await asyncio.to_thread(ray.kill, supervisor, no_restart=True)
         elif supervisor is not None:
             await supervisor.stop_job.remote(submission_id, 0)
         return True
+
+    async def _learn_end(self, record: JobRecord) -> None:
+        """Archive the end a supervisor recorded in the KV; on a full disk its watcher does,
+        once the disk takes it (or the next server's recovery does)."""
+        try:
+            await self._history.learn(record)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            logger.warning("the disk is full: job %s's end is archived later", record.submission_id)
 
     async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
         """Have the supervisor call off a job it may be starting; True once it has recorded

@@ -258,7 +258,8 @@ class JobWatchers:
         task pulling its log if it runs on another node."""
         started = supervisor.wait_started.remote(record.submission_id)
         if record.status is JobStatus.PENDING:
-            waited_s = (now_ms() - (record.start_time or now_ms())) / 1000
+            since_ms = record.handed_over_time or record.start_time or now_ms()
+            waited_s = (now_ms() - since_ms) / 1000
             remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
             try:
                 log_is_spooled = await asyncio.wait_for(started, timeout=remaining_s)

@@ -1,0 +1,70 @@
+"""Ends the server decides itself (a stop before the start, a hand-over that Ray refused), archived
+now or, when the archive's disk is full, as soon as it takes them.
+
+Such an end is in the KV before it is archived (the caller wrote it there): a client reads it at
+once (a live row is overlaid with what the KV says), and a server that stops before the disk
+takes it leaves it to the next one, whose recovery archives what the KV holds. The KV forgets
+the run only once the archive has its end (`JobHistory.forget`), so nothing is lost either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from jobs_server.disk_guard import is_disk_full
+from jobs_server.manager.history import RETRY_INITIAL_S, RETRY_MAX_S, JobHistory
+from jobs_server.manager.records import JobRecord
+
+logger = logging.getLogger(__name__)
+
+
+class DeferredEnds:
+    """Archives ends, retrying those the full disk refused; owns the retrying tasks."""
+
+    def __init__(self, history: JobHistory) -> None:
+        self._history = history
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def archive(self, ended: JobRecord) -> bool:
+        """Archive the end `ended` (already in the KV): True if it is archived now, False if
+        the disk is full (it is archived, and forgotten in the KV, once the disk takes it).
+        Any other error is raised."""
+        try:
+            await self._history.archive_end(ended)
+        except Exception as error:
+            if not is_disk_full(error):
+                raise
+            logger.warning(
+                "the disk is full: the end of job %s (%s) is archived once it takes it",
+                ended.submission_id,
+                ended.status,
+            )
+            task = asyncio.create_task(self._archive_later(ended))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return False
+        return True
+
+    async def _archive_later(self, ended: JobRecord) -> None:
+        delay_s = RETRY_INITIAL_S
+        while True:
+            await asyncio.sleep(delay_s)
+            try:
+                await self._history.archive_end(ended)
+                break
+            except Exception as error:
+                if not is_disk_full(error):
+                    logger.warning(
+                        "archiving the end of job %s failed", ended.submission_id, exc_info=True
+                    )
+            delay_s = min(delay_s * 2, RETRY_MAX_S)
+        logger.info("the end of job %s is archived", ended.submission_id)
+        await self._history.forget(ended)
+
+    async def close(self) -> None:
+        """Stop retrying: what is not archived yet stays in the KV for the next server."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
