@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import os
 import random
 import signal
@@ -201,11 +199,10 @@ def _dedicated_name(namespace: str, job_id: str) -> str:
 
 @pytest.fixture
 def fast_watch_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    # (Before the watcher had its own module it had no retries to shorten.)
-    if importlib.util.find_spec("jobs_server.manager.watcher") is not None:
-        watcher = importlib.import_module("jobs_server.manager.watcher")
-        monkeypatch.setattr(watcher, "WATCH_RETRY_INITIAL_S", 0.05)
-        monkeypatch.setattr(watcher, "WATCH_RETRY_MAX_S", 0.2)
+    from jobs_server.manager import run_outcomes
+
+    monkeypatch.setattr(run_outcomes, "WATCH_RETRY_INITIAL_S", 0.05)
+    monkeypatch.setattr(run_outcomes, "WATCH_RETRY_MAX_S", 0.2)
 
 
 async def test_a_watcher_survives_errors_while_its_supervisor_dies(

@@ -95,21 +95,23 @@ class JobAttempts:
         # The job's timeout, over all its attempts and the waits between them (monotonic).
         self._deadline: float | None = None
 
-    async def run(self) -> JobStatus:
-        """Run the job's attempts and return its terminal status."""
+    async def run(self) -> JobRecord | None:
+        """Run the job's attempts and return its record as it ended (the end that won in the
+        store: the server need not read it back); None if it was deleted before it could
+        start. A record of another run means this one was replaced before it started."""
         try:
             return await self._start_and_retry()
         except JobNotFoundError:
-            return JobStatus.STOPPED  # deleted before it could start
+            return None
         finally:
             self._run.started.set()
             self._run.exited.set()  # nothing of it runs any more
 
-    async def _start_and_retry(self) -> JobStatus:
+    async def _start_and_retry(self) -> JobRecord:
         job, run = self._job, self._run
         record = await self._store.get(job.submission_id, job.run_id)
         if record.status.is_terminal() or record.run_id != job.run_id:
-            return record.status
+            return record
         containment = await self._host.prepare_processes()
         if not self._may_start():
             return await self._record_never_started()
@@ -122,10 +124,10 @@ class JobAttempts:
         while True:
             outcome = await self._attempt(job_token, containment)
             if isinstance(outcome, JobRecord):
-                return outcome.status
+                return outcome
             ended = await self._back_off(outcome)
             if ended is not None:
-                return ended.status
+                return ended
 
     def _may_start(self) -> bool:
         """Whether the command may start now; if so, from now on calling the job off stops the
@@ -135,14 +137,13 @@ class JobAttempts:
         self._run.start_began = True
         return True
 
-    async def _record_never_started(self) -> JobStatus:
-        record = await self._store.update(
+    async def _record_never_started(self) -> JobRecord:
+        return await self._store.update(
             self._job.submission_id,
             self._job.run_id,
             status=JobStatus.STOPPED,
             message=NEVER_STARTED_MESSAGE,
         )
-        return record.status
 
     async def _attempt(self, job_token: str, containment: Containment) -> JobRecord | float:
         """Run the command once: the job's terminal record if this attempt ends the job, else

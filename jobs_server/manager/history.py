@@ -67,11 +67,19 @@ class JobHistory:
                 "archiving the start of job %s failed", record.submission_id, exc_info=True
             )
 
-    async def learn_end(self, record: JobRecord) -> JobRecord | None:
-        """The run has ended: archive its end, retrying until the KV and the disk take it."""
+    async def learn_end(
+        self, record: JobRecord, *, ended: JobRecord | None = None
+    ) -> JobRecord | None:
+        """The run has ended: archive its end, retrying until the KV and the disk take it.
+        `ended`: the end as its supervisor returned it (the one that won in the KV), if it
+        did; it is archived without reading the KV again."""
+        if ended is not None and (ended.run_id != record.run_id or not ended.status.is_terminal()):
+            ended = None  # not this run's end: the KV says what became of the run
         delay_s = RETRY_INITIAL_S
         while True:
             try:
+                if ended is not None:
+                    return await self._archive.update(ended)
                 return await self.learn(record)
             except Exception:
                 logger.warning(

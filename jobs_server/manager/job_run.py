@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs_server.manager.drivers import driver_job_metadata
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.process import JOB_TOKEN_ENV_VAR, StopDeadline
-from jobs_server.manager.records import JobStatus
+from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 
 # Ray's driver reads its job config (runtime_env, metadata) from this variable, so tasks and
@@ -64,7 +64,7 @@ class JobRun:
     stop_requested: asyncio.Event = field(default_factory=asyncio.Event)
     stop_deadline: StopDeadline | None = None
     """Set by the first stop (or the timeout); a later stop may bring it forward."""
-    task: asyncio.Task[JobStatus] | None = None
+    task: asyncio.Task[JobRecord | None] | None = None
     pid: int | None = None
     start_began: bool = False
     """The command is being started, or was: from then on, calling the job off stops it."""

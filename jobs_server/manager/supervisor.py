@@ -78,9 +78,10 @@ class JobSupervisor:
         """This incarnation's Ray actor id: a new actor under the same name has another."""
         return str(ray.get_runtime_context().get_actor_id())
 
-    async def run_job(self, job_fields: dict[str, Any]) -> JobStatus:
-        """Start the job (`SupervisedJob` fields) unless it has started, and return its terminal
-        status when it ends."""
+    async def run_job(self, job_fields: dict[str, Any]) -> dict[str, Any] | JobStatus:
+        """Start the job (`SupervisedJob` fields) unless it has started, and return its record
+        as it ended (`JobRecord` fields: the end that won in the store), or STOPPED if it was
+        deleted before it could start."""
         # A plain dict crosses the actor boundary: pickling the model's class by value on every
         # call would cost more than the rest of the submission.
         job = SupervisedJob.model_validate(job_fields)
@@ -100,7 +101,9 @@ class JobSupervisor:
                 arrival.set()
         assert run.task is not None
         # A caller that goes away (a restarting server) must not cancel the job itself.
-        return await asyncio.shield(run.task)
+        ended = await asyncio.shield(run.task)
+        # Plain fields back, as in: no model class pickled by value.
+        return JobStatus.STOPPED if ended is None else ended.model_dump(mode="json")
 
     async def wait_job(self, submission_id: str, run_id: str | None = None) -> JobStatus | None:
         """The terminal status of a job this supervisor runs or ran (for a restarted server);
@@ -108,7 +111,8 @@ class JobSupervisor:
         incarnation's: the job's processes died with that one)."""
         run = self._runs.get(submission_id)
         if run is not None and run.task is not None and run_id in (None, run.job.run_id):
-            return await asyncio.shield(run.task)
+            ended = await asyncio.shield(run.task)
+            return JobStatus.STOPPED if ended is None else ended.status
         status = (await self.job_store().get(submission_id, run_id)).status
         return status if status.is_terminal() else None
 

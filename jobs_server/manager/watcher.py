@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,14 @@ from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.log_shipping import pull_log_from_supervisor
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.runtime_env_failures import describe_setup_failure
+from jobs_server.manager.run_outcomes import (
+    Backoff,
+    JobFailure,
+    JobStartTimeoutError,
+    ends_at_once,
+    future_of,
+    start_failure,
+)
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import first_line, while_unreachable
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -36,36 +42,6 @@ logger = logging.getLogger(__name__)
 
 # How long a finished job's watcher waits for the last pull of its log from another node.
 LOG_PULL_FINISH_S = 10.0
-# A job of a shared supervisor that ends within this long of its hand-over is archived ended
-# without its start being asked for and archived first (see `_ends_at_once`).
-ENDS_AT_ONCE_S = 0.2
-# After an unexpected error from Ray or the KV, a watcher tries again after this long, doubled
-# after each further error up to the maximum (a GCS that restarts takes seconds).
-WATCH_RETRY_INITIAL_S = 0.5
-WATCH_RETRY_MAX_S = 10.0
-
-
-@dataclass(frozen=True)
-class JobFailure:
-    """How a job failed, when its supervisor could not record it."""
-
-    error_type: JobErrorType
-    message: str
-
-
-class JobStartTimeoutError(Exception):
-    """The job's supervisor did not start its command within the start timeout."""
-
-
-class _Backoff:
-    """Exponential waits between retries, WATCH_RETRY_INITIAL_S up to WATCH_RETRY_MAX_S."""
-
-    def __init__(self) -> None:
-        self.delay_s = WATCH_RETRY_INITIAL_S
-
-    async def wait(self) -> None:
-        await asyncio.sleep(self.delay_s)
-        self.delay_s = min(self.delay_s * 2, WATCH_RETRY_MAX_S)
 
 
 class JobWatchers:
@@ -139,12 +115,15 @@ class JobWatchers:
         archived: JobRecord | None = None
         ended = False
         try:
-            failure = await self._outcome(record, launch)
+            outcome = await self._outcome(record, launch)
             ended = True
-            if failure is not None:
+            if isinstance(outcome, JobFailure):
+                failure = outcome
                 await self._record_failure(record, failure)
             # The end is in the archive before anyone sees this watcher done.
-            archived = await self._history.learn_end(record)
+            archived = await self._history.learn_end(
+                record, ended=outcome if isinstance(outcome, JobRecord) else None
+            )
             self._on_end(record)
         finally:
             # Once the job has ended (not when the server shuts down: its jobs run on).
@@ -152,11 +131,12 @@ class JobWatchers:
                 await self._retire_supervisor(record, launch.supervisor, failure)
                 await self._history.forget(record, archived)
 
-    async def _outcome(self, record: JobRecord, launch: Launch) -> JobFailure | None:
-        """Wait for the run to end: None if its supervisor recorded the end, else the failure
-        to record. Errors are logged and retried; only cancellation ends it early."""
+    async def _outcome(self, record: JobRecord, launch: Launch) -> JobFailure | JobRecord | None:
+        """Wait for the run to end: its supervisor recorded the end (the record it ended with,
+        if the supervisor said; else None), or the failure to record. Errors are logged and
+        retried; only cancellation ends it early."""
         supervisor, finished = launch.supervisor, launch.finished
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             try:
                 return await self._follow_run(record, supervisor, finished)
@@ -199,25 +179,25 @@ class JobWatchers:
 
     async def _follow_run(
         self, record: JobRecord, supervisor: Any, finished: Any | None
-    ) -> JobFailure | None:
+    ) -> JobFailure | JobRecord | None:
         """Wait for the command to start and end, pulling its log if it runs on another node;
         the failure its supervisor cannot report, if any."""
         log_pull: asyncio.Task[None] | None = None
         try:
             try:
                 if finished is not None:
-                    finished = _future_of(finished)
-                if finished is None or not await _ends_at_once(record, finished):
+                    finished = future_of(finished)
+                if finished is None or not await ends_at_once(record, finished):
                     log_pull = await self._wait_until_started(record, supervisor)
                     if finished is None:
-                        finished = _future_of(
+                        finished = future_of(
                             supervisor.wait_job.remote(record.submission_id, record.run_id)
                         )
                     if not finished.done():
                         await self._history.learn_started(record)
                 # A job that ended before the server learnt that it started goes to the
                 # archive once, ended (no RUNNING event: its RUNNING was never seen there).
-                status = await self._wait_for_end(record, supervisor, finished)
+                answer = await self._wait_for_end(record, supervisor, finished)
             except ActorDiedError as error:
                 if not is_dedicated(record.supervisor_name or "") and await self._never_started(
                     record
@@ -227,11 +207,13 @@ class JobWatchers:
                     JobErrorType.JOB_SUPERVISOR_ACTOR_DIED, await self._died_message(record, error)
                 )
             except (JobStartTimeoutError, RuntimeEnvSetupError, ActorUnschedulableError) as error:
-                return _start_failure(record, error)
+                return start_failure(record, error)
             if log_pull is not None:
                 # Every byte pulled is on the head before anyone sees the job end.
                 await asyncio.wait({log_pull}, timeout=LOG_PULL_FINISH_S)
-            if status is None:
+            if isinstance(answer, dict):
+                return JobRecord.model_validate(answer)  # `run_job`: the record it ended with
+            if answer is None:
                 return JobFailure(
                     JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
                     f"The job's supervisor ({record.supervisor_name}) does not know the job: it "
@@ -243,7 +225,7 @@ class JobWatchers:
             if log_pull is not None:
                 log_pull.cancel()
 
-    async def _run_on_replacement(self, record: JobRecord) -> JobFailure | None:
+    async def _run_on_replacement(self, record: JobRecord) -> JobFailure | JobRecord | None:
         """A warm supervisor that died before anyone noticed: the job never started, so it
         runs on the replacement instead of failing."""
         logger.info("job %s reached a dead shared supervisor; retrying", record.submission_id)
@@ -278,12 +260,13 @@ class JobWatchers:
 
     async def _wait_for_end(
         self, record: JobRecord, supervisor: Any, finished: Any
-    ) -> JobStatus | None:
-        """Await `finished`, asking the supervisor again while it cannot be reached."""
-        status: JobStatus | None = await while_unreachable(
+    ) -> dict[str, Any] | JobStatus | None:
+        """Await `finished` (`run_job`'s answer, or `wait_job`'s), asking the supervisor again
+        while it cannot be reached."""
+        answer: dict[str, Any] | JobStatus | None = await while_unreachable(
             finished, lambda: supervisor.wait_job.remote(record.submission_id, record.run_id)
         )
-        return status
+        return answer
 
     async def _never_started(self, record: JobRecord) -> bool:
         try:
@@ -331,7 +314,7 @@ class JobWatchers:
         """Write the failure (unless the job has already ended), retrying the KV until it
         takes it."""
         logger.warning("job %s failed: %s", record.submission_id, failure.message)
-        backoff = _Backoff()
+        backoff = Backoff()
         while True:
             try:
                 await self._store.update(
@@ -360,7 +343,7 @@ class JobWatchers:
         Ray takes it); a dead shared one is replaced; a late start is called off."""
         name = record.supervisor_name or ""
         if is_dedicated(name):
-            backoff = _Backoff()
+            backoff = Backoff()
             while True:
                 try:
                     await asyncio.to_thread(self._supervisors.kill, name)
@@ -383,39 +366,3 @@ class JobWatchers:
                 await supervisor.stop_job.remote(record.submission_id, 0)
             except Exception:
                 logger.warning("calling off job %s failed", record.submission_id, exc_info=True)
-
-
-def _future_of(object_ref: Any) -> asyncio.Future[Any]:
-    """The answer of a supervisor call as a future of this loop (awaited, and checked for
-    being done, without asking Ray again)."""
-    return asyncio.wrap_future(object_ref.future())
-
-
-async def _ends_at_once(record: JobRecord, finished: asyncio.Future[Any]) -> bool:
-    """Whether a job of a shared supervisor (on the head node: no log to pull, no runtime env
-    to set up) ends within ENDS_AT_ONCE_S of its hand-over. Such a job needs no question of
-    when it started: one call to its supervisor instead of two, and one write of the archive.
-    A longer job is archived RUNNING that much later (its KV record says RUNNING at once)."""
-    if is_dedicated(record.supervisor_name or ""):
-        return False
-    done, _ = await asyncio.wait({finished}, timeout=ENDS_AT_ONCE_S)
-    return bool(done)
-
-
-def _start_failure(
-    record: JobRecord,
-    error: JobStartTimeoutError | RuntimeEnvSetupError | ActorUnschedulableError,
-) -> JobFailure:
-    """Why the job never started, in Ray's terms."""
-    if isinstance(error, JobStartTimeoutError):
-        return JobFailure(JobErrorType.JOB_SUPERVISOR_ACTOR_START_TIMEOUT, str(error))
-    if isinstance(error, RuntimeEnvSetupError):
-        # Ray's text is the agent's whole traceback; the status says what and why.
-        logger.info("job %s: Ray's runtime env error: %s", record.submission_id, error)
-        return JobFailure(
-            JobErrorType.RUNTIME_ENV_SETUP_FAILURE,
-            describe_setup_failure(str(error), record.spec.runtime_env),
-        )
-    return JobFailure(
-        JobErrorType.JOB_SUPERVISOR_ACTOR_UNSCHEDULABLE, f"The job cannot be scheduled: {error}"
-    )
