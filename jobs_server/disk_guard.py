@@ -12,14 +12,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import os
 import sqlite3
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from jobs_server.errors import InsufficientStorageError
 
+# A measurement that found at least this much more than the threshold free is reused for up to
+# REUSE_S: nothing comes near writing that much in that time, and a write that finds the disk
+# full all the same is refused as well (`storage_errors_refused`). Closer to the threshold,
+# every check measures.
+REUSE_HEADROOM_BYTES = 256 * 1024 * 1024
+REUSE_S = 0.5
 # The errno values that say "the disk (or the user's quota on it) is full".
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 
@@ -39,24 +47,50 @@ class DiskSpace:
 class DiskGuard:
     """Measures the free space of the filesystems of `directories` (each counted once)."""
 
-    def __init__(self, directories: Sequence[Path], min_free_bytes: int) -> None:
+    def __init__(
+        self,
+        directories: Sequence[Path],
+        min_free_bytes: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._directories = tuple(directories)
         self._min_free_bytes = min_free_bytes
+        self._clock = clock
         self._measuring: asyncio.Task[int] | None = None
+        self._last: tuple[float, int] | None = None  # (when, free bytes)
 
     async def space(self) -> DiskSpace:
         """The space now (statvfs is a syscall that can block on a network filesystem: off
         the event loop). Callers that arrive while a measurement runs share it: under a burst
         of submits, one thread hop serves them all, and none waits for a value older than
-        its own arrival by more than one measurement."""
-        if self._measuring is None:
-            self._measuring = asyncio.create_task(asyncio.to_thread(self._least_free_bytes))
-            self._measuring.add_done_callback(self._measured)
-        free_bytes = await asyncio.shield(self._measuring)
+        its own arrival by more than one measurement. A measurement far above the threshold
+        is reused for a moment (see REUSE_HEADROOM_BYTES): a thread hop per submit costs
+        milliseconds on a busy server."""
+        free_bytes = self._recent_roomy_measurement()
+        if free_bytes is None:
+            if self._measuring is None:
+                self._measuring = asyncio.create_task(asyncio.to_thread(self._least_free_bytes))
+                self._measuring.add_done_callback(
+                    functools.partial(self._measured, started_at=self._clock())
+                )
+            free_bytes = await asyncio.shield(self._measuring)
         return DiskSpace(free_bytes=free_bytes, min_free_bytes=self._min_free_bytes)
 
-    def _measured(self, _: asyncio.Task[int]) -> None:
+    def _recent_roomy_measurement(self) -> int | None:
+        if self._last is None:
+            return None
+        measured_at, free_bytes = self._last
+        if self._clock() - measured_at > REUSE_S:
+            return None
+        if free_bytes - self._min_free_bytes < REUSE_HEADROOM_BYTES:
+            return None
+        return free_bytes
+
+    def _measured(self, task: asyncio.Task[int], *, started_at: float) -> None:
         self._measuring = None
+        if not task.cancelled() and task.exception() is None:
+            self._last = (started_at, task.result())
 
     async def ensure_space(self, action: str) -> None:
         """Raise InsufficientStorageError, saying why, when the disk is below the threshold."""

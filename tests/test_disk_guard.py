@@ -17,7 +17,13 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
-from jobs_server.disk_guard import DiskGuard, is_disk_full, storage_errors_refused
+from jobs_server.disk_guard import (
+    REUSE_HEADROOM_BYTES,
+    REUSE_S,
+    DiskGuard,
+    is_disk_full,
+    storage_errors_refused,
+)
 from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
@@ -196,6 +202,34 @@ async def test_concurrent_checks_share_a_measurement_and_a_later_one_measures_ag
     fill(small_disk, LEFT_FREE_BYTES)
     assert (await guard.space()).is_low
     assert measured == 2
+
+
+async def test_a_roomy_measurement_is_reused_for_a_moment_a_close_one_never(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    """Far above the threshold (the test machine's own disk, threshold 0) a measurement
+    serves the checks of the next REUSE_S, then the disk is measured again; near it (the
+    16 MiB disk with a 4 MiB threshold) every check measures."""
+    now = [0.0]
+    roomy = DiskGuard([tmp_path], 0, clock=lambda: now[0])
+    close = DiskGuard([small_disk], MIN_FREE_BYTES, clock=lambda: now[0])
+    measured = {"roomy": 0, "close": 0}
+    for name, guard in (("roomy", roomy), ("close", close)):
+        real_measure = guard._least_free_bytes
+
+        def counted(name: str = name, real_measure: Callable[[], int] = real_measure) -> int:
+            measured[name] += 1
+            return real_measure()
+
+        guard._least_free_bytes = counted  # type: ignore[method-assign]
+    assert os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize > REUSE_HEADROOM_BYTES
+    for _ in range(3):
+        await roomy.space()
+        await close.space()
+    assert measured == {"roomy": 1, "close": 3}
+    now[0] += REUSE_S + 0.01
+    await roomy.space()
+    assert measured["roomy"] == 2
 
 
 def test_sqlite_full_is_a_refusal_not_a_crash(small_disk: Path) -> None:
