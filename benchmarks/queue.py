@@ -76,7 +76,9 @@ METHOD_NOTES = [
     "(its queue's slots) is what the cap holds.",
     "Commands alive, sampled at the same moments: the launcher processes of contained jobs "
     "(each job's command runs under one, from its start to its end; its init, a fork with the "
-    "same command line, is not counted), an independent count of what ran at once.",
+    "same command line, is not counted), an independent count of what ran at once. Only the "
+    "supervisors' children are read (a scan of every process on the machine every 100 ms took "
+    "a share of the two cores being measured).",
     "RSS: the server process and its children, sampled with the running jobs; growth: the "
     f"highest sample minus the RSS after {WARM_UP_JOBS} warm-up jobs.",
     "Completed per second: jobs / (the moment the archive is first seen with no unfinished job "
@@ -93,19 +95,40 @@ METHOD_NOTES = [
 # init it forks (the same command line), one pair per job whose command runs. A supervisor's fork
 # server (zygote.py), whose forks the launchers are, has it too, but no init under it.
 LAUNCHER_MARK = "CLONE_NEWPID"
+SUPERVISOR_MARK = "JobSupervisor"
 
 
-def commands_running() -> int:
+def supervisor_processes(head_pid: int) -> list[psutil.Process]:
+    """The supervisor actors' processes of the Ray head `head_pid` (other clusters may run on
+    the machine: only this head's are looked at)."""
+    found = []
+    for process in psutil.Process(head_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(SUPERVISOR_MARK in part for part in process.cmdline()):
+                found.append(process)
+    return found
+
+
+def commands_running(supervisors: list[psutil.Process]) -> int:
     """Jobs whose command runs now, counted by their launcher processes (contained jobs): each
-    is the parent of a marked init, and its own parent (the supervisor) is not marked."""
-    marked: dict[int, int] = {}
-    for process in psutil.process_iter(["pid", "ppid", "cmdline"]):
-        with contextlib.suppress(psutil.Error, TypeError):
-            if any(LAUNCHER_MARK in part for part in process.info["cmdline"] or []):
-                marked[process.info["pid"]] = process.info["ppid"]
-    return len(
-        {parent for parent in marked.values() if parent in marked and marked[parent] not in marked}
-    )
+    is a supervisor's child that carries the mark and has a marked child (its namespace's
+    init). Only the supervisors' children are read: a scan of every process on the machine
+    every sample took a share of the cores being measured."""
+    count = 0
+    for supervisor in supervisors:
+        with contextlib.suppress(psutil.Error):
+            for child in supervisor.children():
+                with contextlib.suppress(psutil.Error):
+                    if _is_marked(child) and any(_is_marked(c) for c in child.children()):
+                        count += 1
+    return count
+
+
+def _is_marked(process: psutil.Process) -> bool:
+    try:
+        return any(LAUNCHER_MARK in part for part in process.cmdline())
+    except psutil.Error:
+        return False
 
 
 @dataclass
@@ -114,6 +137,7 @@ class Sampler:
 
     api: JobsApi
     processes: list[psutil.Process]
+    supervisors: list[psutil.Process] = field(default_factory=list)
     max_running: int = 0
     max_commands: int = 0
     peak_rss: int = 0
@@ -132,7 +156,9 @@ class Sampler:
             except (aiohttp.ClientError, TimeoutError, ValueError) as error:
                 self.errors.append(f"{type(error).__name__}: {error}")
             self.peak_rss = max(self.peak_rss, summed_rss_bytes(self.processes))
-            self.max_commands = max(self.max_commands, await asyncio.to_thread(commands_running))
+            self.max_commands = max(
+                self.max_commands, await asyncio.to_thread(commands_running, self.supervisors)
+            )
             self.samples += 1
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), SAMPLE_INTERVAL_S)
@@ -151,7 +177,9 @@ async def wait_until_all_ended(api: JobsApi, deadline_s: float) -> None:
         await asyncio.sleep(DONE_POLL_INTERVAL_S)
 
 
-async def burst(url: str, pid: int, args: argparse.Namespace) -> dict[str, float | str]:
+async def burst(
+    url: str, pid: int, head_pid: int, args: argparse.Namespace
+) -> dict[str, float | str]:
     """The capped burst's figures."""
     processes = process_tree(psutil.Process(pid))
     prefix = f"q{uuid.uuid4().hex[:6]}"
@@ -161,7 +189,7 @@ async def burst(url: str, pid: int, args: argparse.Namespace) -> dict[str, float
         await submit_with_workers(api, "true", warm, 8, time.monotonic() + 120)
         await wait_until_all_ended(api, time.monotonic() + 120)
         rss_before = summed_rss_bytes(processes)
-        sampler = Sampler(api, processes, peak_rss=rss_before)
+        sampler = Sampler(api, processes, supervisor_processes(head_pid), peak_rss=rss_before)
         stop = asyncio.Event()
         sampling = asyncio.create_task(sampler.run(stop))
         ids = [f"{prefix}-{n:05d}" for n in range(args.jobs)]
@@ -394,7 +422,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 flags = ["--max-running-jobs", str(args.max_running)]
                 flags += ["--max-queued-jobs", str(args.jobs)]
                 with jobs_server(head.gcs_address, burst_dir, flags) as ours:
-                    capped = asyncio.run(burst(ours.url, ours.pid, args))
+                    capped = asyncio.run(burst(ours.url, ours.pid, head.pid, args))
                 logger.info("burst: %s", capped)
             if args.only in (None, "sleepers"):
                 sleepers_dir = work_dir / "sleepers"
