@@ -47,6 +47,11 @@ class Launcher:
     async def supervisor_for(self, record: JobRecord) -> Any:
         """Create (or find) the supervisor the record names."""
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
+        # A warm shared supervisor's handle is at hand: no thread hop (milliseconds on a busy
+        # server) for the common case.
+        known = self._supervisors.known_shared(name)
+        if known is not None:
+            return known
         return await asyncio.to_thread(self._supervisors.create, name, record.spec)
 
     def start(self, record: JobRecord, supervisor: Any) -> Launch:

@@ -118,6 +118,10 @@ class Supervisors:
             options["scheduling_strategy"] = self._on_head_node
         return ray.remote(JobSupervisor).options(**options).remote(self._kv_namespace)
 
+    def known_shared(self, name: str) -> Any | None:
+        """The handle of the shared supervisor `name` if this server holds one (no I/O)."""
+        return self._shared_handles.get(name)
+
     def find(self, name: str) -> Any | None:
         """The live actor named `name`, or None (blocking: asks the GCS)."""
         if name in self._shared_handles:
