@@ -23,9 +23,9 @@ from pathlib import Path
 from jobs_server.errors import InsufficientStorageError
 
 # A measurement that found at least this much more than the threshold free is reused for up to
-# REUSE_S: nothing comes near writing that much in that time, and a write that finds the disk
-# full all the same is refused as well (`storage_errors_refused`). Closer to the threshold,
-# every check measures.
+# REUSE_S, and up to twice that while a new one is taken: nothing comes near writing that much
+# in that time, and a write that finds the disk full all the same is refused as well
+# (`storage_errors_refused`). Closer to the threshold, every check measures.
 REUSE_HEADROOM_BYTES = 256 * 1024 * 1024
 REUSE_S = 0.5
 # The errno values that say "the disk (or the user's quota on it) is full".
@@ -67,25 +67,28 @@ class DiskGuard:
         its own arrival by more than one measurement. A measurement far above the threshold
         is reused for a moment (see REUSE_HEADROOM_BYTES): a thread hop per submit costs
         milliseconds on a busy server."""
-        free_bytes = self._recent_roomy_measurement()
-        if free_bytes is None:
-            if self._measuring is None:
-                self._measuring = asyncio.create_task(asyncio.to_thread(self._least_free_bytes))
-                self._measuring.add_done_callback(
-                    functools.partial(self._measured, started_at=self._clock())
-                )
+        age_s, free_bytes = self._roomy_measurement()
+        if free_bytes is not None and age_s <= REUSE_S:
+            return DiskSpace(free_bytes=free_bytes, min_free_bytes=self._min_free_bytes)
+        if self._measuring is None:
+            self._measuring = asyncio.create_task(asyncio.to_thread(self._least_free_bytes))
+            self._measuring.add_done_callback(
+                functools.partial(self._measured, started_at=self._clock())
+            )
+        if free_bytes is None or age_s > 2 * REUSE_S:
             free_bytes = await asyncio.shield(self._measuring)
+        # else: a roomy measurement a little older serves while the new one is taken.
         return DiskSpace(free_bytes=free_bytes, min_free_bytes=self._min_free_bytes)
 
-    def _recent_roomy_measurement(self) -> int | None:
+    def _roomy_measurement(self) -> tuple[float, int | None]:
+        """The age of the last measurement and what it found, if that was far above the
+        threshold (else None)."""
         if self._last is None:
-            return None
+            return 0.0, None
         measured_at, free_bytes = self._last
-        if self._clock() - measured_at > REUSE_S:
-            return None
         if free_bytes - self._min_free_bytes < REUSE_HEADROOM_BYTES:
-            return None
-        return free_bytes
+            return 0.0, None
+        return self._clock() - measured_at, free_bytes
 
     def _measured(self, task: asyncio.Task[int], *, started_at: float) -> None:
         self._measuring = None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,10 @@ from typing import Any
 from jobs_server.manager.events import JobEvent
 
 logger = logging.getLogger(__name__)
+
+# Batches the archive's thread commits in a row before reads queued behind it get a turn.
+BATCHES_PER_TURN = 8
+_CLOSE_POLL_S = 0.005
 
 # A write: (its result, the events it recorded), run in the batch's transaction.
 Write = Callable[[sqlite3.Connection], tuple[Any, list[JobEvent]]]
@@ -33,7 +38,12 @@ class _Pending:
 
 
 class GroupCommit:
-    """Batches writes into transactions on the archive's thread (`run` runs a function there)."""
+    """Batches writes into transactions on the archive's thread (`run` runs a function there).
+
+    The thread commits batch after batch without waiting for the event loop in between (a
+    busy loop takes milliseconds to come back to a finished commit): it takes what was queued
+    meanwhile, commits it, hands the answers to the loop, and goes on, for up to
+    BATCHES_PER_TURN batches before it lets the reads queued on the thread run."""
 
     def __init__(
         self,
@@ -45,48 +55,73 @@ class GroupCommit:
         self._run = run
         self._connection = connection
         self._after_each_batch = after_each_batch
+        # Shared with the archive's thread: under the lock.
+        self._lock = threading.Lock()
         self._pending: list[_Pending] = []
-        self._committer: asyncio.Task[None] | None = None
+        self._draining = False
+        self._turns: set[asyncio.Future[None]] = set()
 
     async def write(self, write: Write) -> tuple[Any, list[JobEvent]]:
         """Run `write` in the next transaction; its result and events once it is committed."""
-        answer: asyncio.Future[tuple[Any, list[JobEvent]]] = (
-            asyncio.get_running_loop().create_future()
-        )
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[tuple[Any, list[JobEvent]]] = loop.create_future()
         # Queued at once, in call order (no await before): the order of the rows is the order
         # of the calls.
-        self._pending.append(_Pending(write, answer))
-        if self._committer is None:
-            self._committer = asyncio.create_task(self._commit_all(), name="archive-commit")
+        with self._lock:
+            self._pending.append(_Pending(write, answer))
+            start = not self._draining
+            self._draining = True
+        if start:
+            self._take_turn(loop)
         return await answer
 
     async def close(self) -> None:
         """Wait for the writes already called to be committed."""
-        if self._committer is not None:
-            await asyncio.shield(self._committer)
+        while True:
+            with self._lock:
+                if not self._draining:
+                    break
+            await asyncio.sleep(_CLOSE_POLL_S)
+        if self._turns:
+            await asyncio.gather(*self._turns, return_exceptions=True)
 
-    async def _commit_all(self) -> None:
-        try:
-            while self._pending:
+    def _take_turn(self, loop: asyncio.AbstractEventLoop) -> None:
+        turn = asyncio.ensure_future(self._run(self._drain, loop))
+        self._turns.add(turn)
+        turn.add_done_callback(self._turns.discard)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the archive's thread: commit what is queued, batch after batch."""
+        for _ in range(BATCHES_PER_TURN):
+            with self._lock:
                 batch, self._pending = self._pending, []
-                try:
-                    outcomes = await self._run(self._commit, [item.write for item in batch])
-                except BaseException as error:
-                    for item in batch:
-                        if not item.answer.done():
-                            item.answer.set_exception(error)
-                    if not isinstance(error, Exception):
-                        raise
-                    continue
-                for item, (ok, value) in zip(batch, outcomes, strict=True):
-                    if item.answer.done():
-                        continue  # its caller went away; the write is committed all the same
-                    if ok:
-                        item.answer.set_result(value)
-                    else:
-                        item.answer.set_exception(value)
-        finally:
-            self._committer = None
+                if not batch:
+                    self._draining = False
+                    return
+            try:
+                outcomes: list[tuple[bool, Any]] | BaseException = self._commit(
+                    [item.write for item in batch]
+                )
+            except BaseException as error:  # the whole transaction failed: each caller's error
+                outcomes = error
+            loop.call_soon_threadsafe(self._answer, batch, outcomes)
+        # Reads wait on this thread too: let them in, then go on.
+        loop.call_soon_threadsafe(self._take_turn, loop)
+
+    @staticmethod
+    def _answer(batch: list[_Pending], outcomes: list[tuple[bool, Any]] | BaseException) -> None:
+        """On the loop: answer a committed batch's callers, in call order."""
+        for index, item in enumerate(batch):
+            if item.answer.done():
+                continue  # its caller went away; the write is committed all the same
+            if isinstance(outcomes, BaseException):
+                item.answer.set_exception(outcomes)
+                continue
+            ok, value = outcomes[index]
+            if ok:
+                item.answer.set_result(value)
+            else:
+                item.answer.set_exception(value)
 
     def _commit(self, writes: list[Write]) -> list[tuple[bool, Any]]:
         """One transaction (on the archive's thread): each write under a savepoint."""
