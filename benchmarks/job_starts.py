@@ -25,25 +25,26 @@ from pathlib import Path
 import psutil
 
 from benchmarks.client import JobsApi, new_session, submit_with_workers
-from benchmarks.processes import jobs_server, kill_survivors, ray_head, set_up_benchmark_process
+from benchmarks.processes import (
+    jobs_server,
+    kill_survivors,
+    ray_head,
+    set_up_benchmark_process,
+    supervisor_processes,
+)
 from benchmarks.queue import wait_until_all_ended
 
 logger = logging.getLogger("benchmarks.job_starts")
 
 WARM_UP_JOBS = 20
 RUN_TIMEOUT_S = 900.0
-SUPERVISOR_MARK = "JobSupervisor"
 GCS_NAME = "gcs_server"
 
 
 def supervisor_process(head_pid: int) -> psutil.Process:
     """The one supervisor actor's process of the Ray head `head_pid` (a run of `true` jobs uses
     the shared one). Other Ray clusters may run on the machine: only the head's are looked at."""
-    found = []
-    for process in psutil.Process(head_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if any(SUPERVISOR_MARK in part for part in process.cmdline()):
-                found.append(process)
+    found = supervisor_processes(head_pid)
     assert len(found) == 1, f"expected one supervisor, found {len(found)}"
     return found[0]
 

@@ -52,6 +52,8 @@ NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 # renames itself (setproctitle) but older releases kept the script's path.
 RAY_DASHBOARD_MARKERS = ("dashboard/dashboard.py",)
 RAY_AGENT_MARKERS = ("ray::DashboardAgent", "dashboard/agent.py")
+# In the command line of a supervisor actor's Ray worker.
+SUPERVISOR_MARK = "JobSupervisor"
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,17 @@ def process_tree(process: psutil.Process) -> list[psutil.Process]:
     with contextlib.suppress(psutil.NoSuchProcess):
         return [process, *process.children(recursive=True)]
     return []
+
+
+def supervisor_processes(head_pid: int) -> list[psutil.Process]:
+    """The supervisor actors' processes of the Ray head `head_pid` (other clusters may run on
+    the machine: only this head's are looked at)."""
+    found = []
+    for process in psutil.Process(head_pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if any(SUPERVISOR_MARK in part for part in process.cmdline()):
+                found.append(process)
+    return found
 
 
 def our_log_processes(server: OurServer) -> list[psutil.Process]:

@@ -41,6 +41,7 @@ from benchmarks.processes import (
     process_tree,
     ray_head,
     set_up_benchmark_process,
+    supervisor_processes,
 )
 from benchmarks.stats import percentile, summed_rss_bytes
 
@@ -95,18 +96,6 @@ METHOD_NOTES = [
 # init it forks (the same command line), one pair per job whose command runs. A supervisor's fork
 # server (zygote.py), whose forks the launchers are, has it too, but no init under it.
 LAUNCHER_MARK = "CLONE_NEWPID"
-SUPERVISOR_MARK = "JobSupervisor"
-
-
-def supervisor_processes(head_pid: int) -> list[psutil.Process]:
-    """The supervisor actors' processes of the Ray head `head_pid` (other clusters may run on
-    the machine: only this head's are looked at)."""
-    found = []
-    for process in psutil.Process(head_pid).children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if any(SUPERVISOR_MARK in part for part in process.cmdline()):
-                found.append(process)
-    return found
 
 
 def commands_running(supervisors: list[psutil.Process]) -> int:
