@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from jobs_server.disk_guard import is_disk_full
-from jobs_server.manager.history import RETRY_INITIAL_S, RETRY_MAX_S, JobHistory
+from jobs_server.manager.history import RETRY_INITIAL_S, JobHistory
 from jobs_server.manager.records import JobRecord
 
 logger = logging.getLogger(__name__)
@@ -47,20 +47,10 @@ class DeferredEnds:
         return True
 
     async def _archive_later(self, ended: JobRecord) -> None:
-        delay_s = RETRY_INITIAL_S
-        while True:
-            await asyncio.sleep(delay_s)
-            try:
-                await self._history.archive_end(ended)
-                break
-            except Exception as error:
-                if not is_disk_full(error):
-                    logger.warning(
-                        "archiving the end of job %s failed", ended.submission_id, exc_info=True
-                    )
-            delay_s = min(delay_s * 2, RETRY_MAX_S)
+        await asyncio.sleep(RETRY_INITIAL_S)  # the disk was full a moment ago
+        archived = await self._history.learn_end(ended, ended=ended)
         logger.info("the end of job %s is archived", ended.submission_id)
-        await self._history.forget(ended)
+        await self._history.forget(ended, archived)
 
     async def close(self) -> None:
         """Stop retrying: what is not archived yet stays in the KV for the next server."""

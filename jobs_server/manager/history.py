@@ -13,6 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.records import JobRecord
@@ -81,12 +82,14 @@ class JobHistory:
                 if ended is not None:
                     return await self._archive.update(ended)
                 return await self.learn(record)
-            except Exception:
+            except Exception as error:
+                # A full disk is said in a line (it may last); anything else with its traceback.
                 logger.warning(
-                    "archiving the end of job %s failed; trying again in %.1f s",
+                    "archiving the end of job %s failed%s; trying again in %.1f s",
                     record.submission_id,
+                    ": the disk is full" if is_disk_full(error) else "",
                     delay_s,
-                    exc_info=True,
+                    exc_info=not is_disk_full(error),
                 )
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, RETRY_MAX_S)
