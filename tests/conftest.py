@@ -13,8 +13,9 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import psutil
 import pytest
 import ray
@@ -26,6 +27,9 @@ from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.fakes import FakeJobManager
 from tests.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
+
+if TYPE_CHECKING:  # tenant_server imports this module
+    from tests.tenant_server import TenantServer
 
 # Test clusters are not about Ray's own token authentication.
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -268,6 +272,15 @@ async def fake_client(
 ) -> TestClient[Any, Any]:
     """The app on a loopback port, on `fake`: no Ray is touched."""
     return await aiohttp_client(create_app(fake_settings, backend=fake.backend()))
+
+
+@pytest.fixture
+async def session(server: TenantServer) -> AsyncIterator[ClientSession]:
+    """A client of the test module's tenant server (its own `server` fixture)."""
+    async with ClientSession(
+        base_url=server.url, timeout=aiohttp.ClientTimeout(total=60)
+    ) as session:
+        yield session
 
 
 def kill_actors_in_namespace(namespace: str) -> None:

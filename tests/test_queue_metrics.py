@@ -6,9 +6,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
-import aiohttp
 import pytest
 from aiohttp import ClientSession
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,14 +25,6 @@ def server(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) -> Ite
     yield from run_tenant_server(
         ray_connection, tmp_path_factory.mktemp("queue-metrics"), LIMITS, SERVER_ARGS
     )
-
-
-@pytest.fixture
-async def session(server: TenantServer) -> AsyncIterator[ClientSession]:
-    async with ClientSession(
-        base_url=server.url, timeout=aiohttp.ClientTimeout(total=60)
-    ) as session:
-        yield session
 
 
 async def scrape(session: ClientSession, server: TenantServer, key: str) -> Samples:

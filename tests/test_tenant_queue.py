@@ -8,7 +8,7 @@ import asyncio
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
@@ -24,14 +24,6 @@ RAISED_LIMITS = "\n[tenants.team-b]\nmax_running = 2\nmax_queued = 1\n"
 @pytest.fixture(scope="module")
 def server(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TenantServer]:
     yield from run_tenant_server(ray_connection, tmp_path_factory.mktemp("tenant-queue"), LIMITS)
-
-
-@pytest.fixture
-async def session(server: TenantServer) -> AsyncIterator[ClientSession]:
-    async with ClientSession(
-        base_url=server.url, timeout=aiohttp.ClientTimeout(total=60)
-    ) as session:
-        yield session
 
 
 async def submit(session: ClientSession, server: TenantServer, key: str) -> aiohttp.ClientResponse:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +34,6 @@ CHANGING_ROUTES = ["stop", "delete"]
 @pytest.fixture(scope="module")
 def server(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TenantServer]:
     yield from run_tenant_server(ray_connection, tmp_path_factory.mktemp("tenants"))
-
-
-@pytest.fixture
-async def session(server: TenantServer) -> AsyncIterator[ClientSession]:
-    async with ClientSession(
-        base_url=server.url, timeout=aiohttp.ClientTimeout(total=60)
-    ) as session:
-        yield session
 
 
 async def call_route(
