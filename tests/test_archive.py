@@ -3,9 +3,12 @@ transaction, queries, retention's view, and what survives reopening the file."""
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -230,3 +233,34 @@ async def test_counts_by_status_read_no_record(archive: Archive) -> None:
     await archive.insert(second)
     await archive.update(first.with_changes(status=JobStatus.FAILED, end_time=1))
     assert await archive.count_by_status() == {JobStatus.FAILED: 1, JobStatus.PENDING: 1}
+
+
+async def test_a_slow_read_delays_no_write(
+    archive: Archive, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A list that takes long (a big page, a cold disk) must not hold up submits: reads have a
+    connection and a thread of their own. The read here is held until the writes are done."""
+    from jobs_server.manager import archive_queries
+
+    await archive.insert(record("before"))
+    read_began, release_read = threading.Event(), threading.Event()
+    page_of_jobs = archive_queries.page_of_jobs
+
+    def held_page(*args: Any) -> Any:
+        read_began.set()
+        release_read.wait(timeout=60)
+        return page_of_jobs(*args)
+
+    monkeypatch.setattr(archive_queries, "page_of_jobs", held_page)
+    reading = asyncio.create_task(archive.page(JobQuery()))
+    try:
+        assert await asyncio.to_thread(read_began.wait, 10)
+        # Each write is committed while the read still holds its thread.
+        for index in range(3):
+            await asyncio.wait_for(archive.insert(record(f"during-{index}")), timeout=10)
+        assert not reading.done()
+    finally:
+        release_read.set()
+    jobs, _ = await reading
+    # Its query ran once released: it sees every commit before it, from its own connection.
+    assert [job.submission_id for job in jobs] == ["before", "during-0", "during-1", "during-2"]

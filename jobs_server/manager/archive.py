@@ -5,9 +5,12 @@ the server learns is written to it, with its event in the same transaction (`Eve
 KV only coordinates live jobs with their supervisors; the archive is what survives a restart of
 the server or of the whole cluster.
 
-One connection, used from one dedicated thread (sqlite3 objects are not shared between threads);
-the event loop never waits on the disk. Writes are group-committed (group_commit.py): those that
-arrive while a transaction commits share the next one, each answered once it is durable.
+Two connections, each used from a dedicated thread of its own (sqlite3 objects are not shared
+between threads); the event loop never waits on the disk. Writes are group-committed
+(group_commit.py): those that arrive while a transaction commits share the next one, each
+answered once it is durable. Reads have the other connection: in WAL mode a reader sees the
+last commit and neither waits for a writer nor holds one up, so a slow list (a big page, a
+cold disk) never delays a submit.
 """
 
 from __future__ import annotations
@@ -98,6 +101,8 @@ class Archive:
         self._max_events = max_events
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive")
         self._db: sqlite3.Connection | None = None
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-reads")
+        self._read_db: sqlite3.Connection | None = None
         self._writes = GroupCommit(
             run=self._run, connection=self._conn, after_each_batch=self._trim_events
         )
@@ -106,6 +111,8 @@ class Archive:
 
     async def open(self) -> None:
         await self._run(self._open)
+        # After the writer's migrations: the reader sees the schema as this server knows it.
+        await asyncio.get_running_loop().run_in_executor(self._reader, self._open_reader)
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -128,8 +135,18 @@ class Archive:
             logger.info("archive %s migrated to schema version %d", self.path, number)
         self._db = db
 
+    def _open_reader(self) -> None:
+        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db.execute("PRAGMA query_only=ON")  # a read can never write
+        db.execute("PRAGMA busy_timeout=5000")
+        self._read_db = db
+
     async def close(self) -> None:
         await self._writes.close()
+        if self._read_db is not None:
+            await asyncio.get_running_loop().run_in_executor(self._reader, self._read_db.close)
+            self._read_db = None
+        self._reader.shutdown(wait=True)
         if self._db is not None:
             await self._run(self._db.close)
             self._db = None
@@ -312,8 +329,15 @@ class Archive:
     # -- reads (archive_queries.py) --------------------------------------------------------
 
     async def _read(self, read: Callable[..., _T], *args: Any) -> _T:
-        """`read(connection, *args)` on the archive's thread."""
-        return await self._run(lambda: read(self._conn(), *args))
+        """`read(connection, *args)` on the reads' thread and connection."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._reader, lambda: read(self._read_conn(), *args)
+        )
+
+    def _read_conn(self) -> sqlite3.Connection:
+        if self._read_db is None:
+            raise RuntimeError("the archive is not open")
+        return self._read_db
 
     async def get(self, submission_id: str) -> JobRecord | None:
         return await self._read(queries.get_job, submission_id)

@@ -23,7 +23,8 @@ from jobs_server.manager.events import JobEvent
 
 logger = logging.getLogger(__name__)
 
-# Batches the archive's thread commits in a row before reads queued behind it get a turn.
+# Batches the archive's thread commits in a row before other work queued behind it (a bulk
+# import) gets a turn.
 BATCHES_PER_TURN = 8
 _CLOSE_POLL_S = 0.005
 
@@ -43,7 +44,7 @@ class GroupCommit:
     The thread commits batch after batch without waiting for the event loop in between (a
     busy loop takes milliseconds to come back to a finished commit): it takes what was queued
     meanwhile, commits it, hands the answers to the loop, and goes on, for up to
-    BATCHES_PER_TURN batches before it lets the reads queued on the thread run."""
+    BATCHES_PER_TURN batches before it lets other work queued on the thread run."""
 
     def __init__(
         self,
@@ -105,7 +106,7 @@ class GroupCommit:
             except BaseException as error:  # the whole transaction failed: each caller's error
                 outcomes = error
             loop.call_soon_threadsafe(self._answer, batch, outcomes)
-        # Reads wait on this thread too: let them in, then go on.
+        # Other work waits on this thread too (a bulk import): let it in, then go on.
         loop.call_soon_threadsafe(self._take_turn, loop)
 
     @staticmethod
