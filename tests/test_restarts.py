@@ -28,6 +28,7 @@ from tests.conftest import (
     wait_for_server,
     wait_until,
 )
+from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
 
 JOB_TIMEOUT_S = 120
 
@@ -45,8 +46,15 @@ def ray_tmpdir() -> Iterator[Path]:
 class Server:
     """`jobs-server serve` in its own process group, on a state dir that outlives it."""
 
-    def __init__(self, tmp_path: Path, ray_tmpdir: Path, ray_args: list[str]) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        ray_tmpdir: Path,
+        ray_args: list[str],
+        state_dir: Path | None = None,
+    ) -> None:
         self.tmp_path = tmp_path
+        self.state_dir = state_dir or tmp_path / "state"
         self.ray_tmpdir = ray_tmpdir
         self.ray_args = ray_args
         self.port = free_port()
@@ -64,7 +72,7 @@ class Server:
             [
                 *self.ray_args,
                 *("--port", str(self.port)),
-                *("--state-dir", str(self.tmp_path / "state")),
+                *("--state-dir", str(self.state_dir)),
                 *("--stop-grace-s", "1"),
             ],
             log_path,
@@ -113,12 +121,15 @@ class Server:
         return {job["submission_id"]: job for job in response.json()}
 
 
-def embedded_server(tmp_path: Path, ray_tmpdir: Path) -> Server:
+def embedded_server(
+    tmp_path: Path, ray_tmpdir: Path, *extra_args: str, state_dir: Path | None = None
+) -> Server:
     node_ip = f"127.0.0.{random.randint(100, 250)}"
     return Server(
         tmp_path,
         ray_tmpdir,
-        ["--ray-address", "local", "--embedded-ray-node-ip", node_ip],
+        ["--ray-address", "local", "--embedded-ray-node-ip", node_ip, *extra_args],
+        state_dir,
     )
 
 
@@ -195,6 +206,47 @@ def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_job
         assert "server shut down" in running["message"]
         assert "started" in server.logs(jobs["running"])
         assert server.listed(status="RUNNING,PENDING") == {}
+    finally:
+        server.stop()
+
+
+def test_an_embedded_server_stopped_on_a_full_disk_still_stops_its_jobs_gracefully(
+    tmp_path: Path,
+    ray_tmpdir: Path,
+    small_disk: Path,  # noqa: F811
+) -> None:
+    """The archive's disk is full when the server is stopped: the end cannot be archived, but
+    each running job is still asked to stop (SIGTERM, its grace period) before the embedded Ray
+    goes, and the server exits in its own time; its next start does not list the job RUNNING."""
+    log_dir = tmp_path / "logs"  # the job's output has room: only the archive's disk is full
+    server = embedded_server(
+        tmp_path,
+        ray_tmpdir,
+        *("--log-dir", str(log_dir), "--min-free-disk-bytes", "0"),
+        state_dir=small_disk / "state",
+    )
+    server.start()
+    try:
+        job_id = server.submit(
+            entrypoint=(
+                "trap 'echo got TERM; exit 0' TERM; echo started; "
+                f"while true; do sleep 0.05; done; : {marker(server)}"
+            )
+        )
+        server.wait_status(job_id, "RUNNING")
+        log = log_dir / f"job-driver-{job_id}.log"
+        wait_until(lambda: "started" in log.read_text(), JOB_TIMEOUT_S, "the job's first line")
+        filler = fill(small_disk, 0)
+        # To the server alone (as `docker stop` does): Ray stops when the server says so.
+        assert server.process is not None
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=60) == 0
+        assert "got TERM" in log.read_text()
+        assert processes_with(marker(server)) == []
+        filler.unlink()
+        server.start()
+        ended = server.job(job_id)
+        assert ended["status"] in ("STOPPED", "FAILED"), ended
     finally:
         server.stop()
 

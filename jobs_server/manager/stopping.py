@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import ray
@@ -188,20 +188,22 @@ class JobStopper:
         grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
 
         async def stop(record: JobRecord) -> None:
-            try:
+            # Each step whatever became of the one before: a KV that is gone or a full disk
+            # must not keep the job from its grace period (SIGTERM first) before Ray stops.
+            ended = None
+            with _logged_failure("recording the stop of job %s", record):
                 ended = await self._store.update(
                     record.submission_id, record.run_id, status=JobStatus.STOPPED, message=message
                 )
-                await self._history.archive_end(ended)
+            with _logged_failure("asking the supervisor of job %s to stop it", record):
                 supervisor = await asyncio.to_thread(
                     self._supervisors.find, record.supervisor_name or ""
                 )
                 if supervisor is not None:
                     await supervisor.stop_job.remote(record.submission_id, grace_s)
-            except Exception:
-                logger.warning(
-                    "stopping job %s at shutdown failed", record.submission_id, exc_info=True
-                )
+            if ended is not None:
+                with _logged_failure("archiving the stop of job %s", record):
+                    await self._history.archive_end(ended)
 
         if live:
             logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
@@ -216,6 +218,30 @@ class JobStopper:
         for record in await self._archive.unfinished():
             if record.submission_id in self._queue:
                 continue
-            await self._archive.update(
-                record.with_changes(status=JobStatus.STOPPED, end_time=now_ms(), message=message)
-            )
+            try:
+                await self._archive.update(
+                    record.with_changes(
+                        status=JobStatus.STOPPED, end_time=now_ms(), message=message
+                    )
+                )
+            except Exception as error:
+                if not is_disk_full(error):
+                    raise
+                # The next start finds them unfinished with their cluster gone, and ends them.
+                logger.warning("the disk is full: the stops of the jobs left are not archived")
+                return
+
+
+@contextlib.contextmanager
+def _logged_failure(what: str, record: JobRecord) -> Iterator[None]:
+    """Log an error of a shutdown step (a full disk in one line) instead of raising it."""
+    try:
+        yield
+    except Exception as error:
+        full = is_disk_full(error)
+        logger.warning(
+            what + " at shutdown failed%s",
+            record.submission_id,
+            ": the disk is full" if full else "",
+            exc_info=not full,
+        )
