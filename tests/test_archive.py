@@ -264,3 +264,30 @@ async def test_a_slow_read_delays_no_write(
     jobs, _ = await reading
     # Its query ran once released: it sees every commit before it, from its own connection.
     assert [job.submission_id for job in jobs] == ["before", "during-0", "during-1", "during-2"]
+
+
+@pytest.mark.parametrize("descending", [False, True])
+async def test_a_status_filter_also_reads_the_live_jobs_named_in_order(
+    archive: Archive, descending: bool
+) -> None:
+    """`live_ids`: those jobs are read whatever their archived status (the caller keeps them by
+    the status they have now), merged into the query's order, pages and stream alike."""
+    for index in range(6):
+        job = record(f"job-{index}", start_time=1_000 + index)
+        await archive.insert(job)
+        if index % 2:
+            await archive.update(job.with_changes(status=JobStatus.FAILED, end_time=9))
+    query = JobQuery(
+        statuses=frozenset({JobStatus.FAILED}),
+        live_ids=frozenset({"job-0", "job-4", "job-3"}),
+        descending=descending,
+    )
+    expected = ["job-0", "job-1", "job-3", "job-4", "job-5"]
+    if descending:
+        expected.reverse()
+    jobs, more = await archive.page(query, limit=3)
+    assert ([job.submission_id for job in jobs], more) == (expected[:3], True)
+    jobs, more = await archive.page(query, after=expected[2], limit=3)
+    assert ([job.submission_id for job in jobs], more) == (expected[3:], False)
+    streamed = [job.submission_id async for batch in archive.stream(query) for job in batch]
+    assert streamed == expected

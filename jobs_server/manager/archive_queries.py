@@ -5,7 +5,7 @@ its own thread."""
 from __future__ import annotations
 
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs_server.manager.events import JobEvent, JobEventType
@@ -13,6 +13,8 @@ from jobs_server.manager.records import JobRecord, JobStatus
 
 # Rows read per batch when the whole list is streamed.
 STREAM_BATCH_ROWS = 500
+# Live jobs read by id beside a status filter, at most (SQLite binds up to 32,766 values).
+MAX_LIVE_IDS = 10_000
 
 _TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
 # Named, not "NOT IN terminal": only an IN list uses the status index (a full scan of a long
@@ -34,6 +36,9 @@ class JobQuery:
     descending: bool = False
     tenant: str | None = None
     """Only this tenant's jobs; None: every tenant's."""
+    live_ids: frozenset[str] = frozenset()
+    """Jobs listed whatever their archived status, with `statuses` (the live ones: the
+    archive learns their status a moment after the KV, so the caller checks it)."""
 
 
 class UnknownCursorError(Exception):
@@ -82,8 +87,7 @@ def page_of_jobs(
     db: sqlite3.Connection, query: JobQuery, after: str | None, limit: int | None
 ) -> tuple[list[JobRecord], bool]:
     after_seq = None if after is None else seq_of(db, after, query.tenant)
-    sql, parameters = _select(query, after_seq, None if limit is None else limit + 1)
-    rows = db.execute(sql, parameters).fetchall()
+    rows = _rows(db, query, after_seq, None if limit is None else limit + 1)
     more = limit is not None and len(rows) > limit
     return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
 
@@ -91,8 +95,7 @@ def page_of_jobs(
 def batch_of_jobs(
     db: sqlite3.Connection, query: JobQuery, after_seq: int | None
 ) -> list[tuple[int, str]]:
-    sql, parameters = _select(query, after_seq, STREAM_BATCH_ROWS)
-    return db.execute(sql, parameters).fetchall()
+    return _rows(db, query, after_seq, STREAM_BATCH_ROWS)
 
 
 def expired_jobs(
@@ -149,11 +152,34 @@ def event_id_range(db: sqlite3.Connection) -> tuple[int, int]:
     return oldest, newest
 
 
-def _select(query: JobQuery, after_seq: int | None, limit: int | None) -> tuple[str, list[Any]]:
-    """The SELECT of (seq, record) for `query`, after `after_seq` in the query's order."""
+def _rows(
+    db: sqlite3.Connection, query: JobQuery, after_seq: int | None, limit: int | None
+) -> list[tuple[int, str]]:
+    """The (seq, record) rows of `query` after `after_seq`, in its order, at most `limit`."""
+    if query.statuses is not None and len(query.live_ids) > MAX_LIVE_IDS:
+        # Past what one statement may bind: every unfinished row instead (a superset).
+        wider = query.statuses | {JobStatus(status) for status in _UNFINISHED}
+        query = replace(query, statuses=frozenset(wider), live_ids=frozenset())
+    rows: list[tuple[int, str]] = db.execute(*_select(query, after_seq, limit)).fetchall()
+    if query.statuses is None or not query.live_ids:
+        return rows
+    # Two indexed reads merged, not one OR: SQLite plans that as a scan of the whole history.
+    live = db.execute(*_select(query, after_seq, limit, ids=query.live_ids)).fetchall()
+    merged = sorted(dict(rows + live).items(), reverse=query.descending)
+    return merged if limit is None else merged[:limit]
+
+
+def _select(
+    query: JobQuery, after_seq: int | None, limit: int | None, ids: frozenset[str] | None = None
+) -> tuple[str, list[Any]]:
+    """The SELECT of (seq, record) for `query` (for the jobs `ids` whatever their status, if
+    given), after `after_seq` in the query's order."""
     clauses: list[str] = []
     parameters: list[Any] = []
-    if query.statuses is not None:
+    if ids is not None:
+        clauses.append(f"submission_id IN ({', '.join('?' * len(ids))})")
+        parameters += sorted(ids)
+    elif query.statuses is not None:
         statuses = sorted(status.value for status in query.statuses)
         clauses.append(f"status IN ({', '.join('?' * len(statuses))})")
         parameters += statuses

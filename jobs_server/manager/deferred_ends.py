@@ -25,6 +25,11 @@ class DeferredEnds:
     def __init__(self, history: JobHistory) -> None:
         self._history = history
         self._tasks: set[asyncio.Task[None]] = set()
+        # The jobs whose end waits for the disk (the archive still has them live).
+        self._waiting: set[str] = set()
+
+    def waiting_ids(self) -> frozenset[str]:
+        return frozenset(self._waiting)
 
     async def archive(self, ended: JobRecord) -> bool:
         """Archive the end `ended` (already in the KV): True if it is archived now, False if
@@ -42,7 +47,9 @@ class DeferredEnds:
             )
             task = asyncio.create_task(self._archive_later(ended))
             self._tasks.add(task)
+            self._waiting.add(ended.submission_id)
             task.add_done_callback(self._tasks.discard)
+            task.add_done_callback(lambda _: self._waiting.discard(ended.submission_id))
             return False
         return True
 

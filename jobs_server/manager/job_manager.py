@@ -146,6 +146,7 @@ class JobManager:
             store=self._store,
             queue=self._queue,
             cluster_resources=self._cluster_resources,
+            live_ids=lambda: self._watchers.watched_ids() | self._ends.waiting_ids(),
         )
         self._stopper = JobStopper(
             store=self._store,
@@ -262,10 +263,9 @@ class JobManager:
         `next_after` is the cursor of the next page, if there is one."""
         query = scoped(query, tenant)
         try:
-            records, more = await self._archive.page(query, after=after, limit=limit)
+            records, more = await self._views.page(query, after=after, limit=limit)
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
-        records = await self._views.as_they_are(records)
         next_after = records[-1].submission_id if more and records else None
         return JobPage(records=records, next_after=next_after)
 
@@ -280,8 +280,8 @@ class JobManager:
         the archive one at a time; InvalidRequestError for an unknown `after`, before the first
         batch."""
         try:
-            async for batch in self._archive.stream(scoped(query, tenant), after=after):
-                yield await self._views.as_they_are(batch)
+            async for batch in self._views.stream(scoped(query, tenant), after=after):
+                yield batch
         except UnknownCursorError:
             raise InvalidRequestError(f"after: no job {after!r} to continue after.") from None
 

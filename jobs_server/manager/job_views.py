@@ -1,11 +1,16 @@
 """What a job is now, as a client sees it: its archived row, for a live job overlaid with what
 the KV says, and for a pending one the wait it is in. Scoped by tenant: another tenant's job is
-not found, as an unknown id is."""
+not found, as an unknown id is.
+
+A list filtered by status keeps the jobs by the status they have now, the one their GET shows:
+the archive learns a live job's status a moment after the KV, so the live jobs are read
+whatever their archived status, and kept if what they are now matches."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import AsyncIterator, Callable
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.archive import Archive, JobQuery
@@ -27,11 +32,14 @@ class JobViews:
         store: JobStore,
         queue: JobQueue,
         cluster_resources: ClusterResources,
+        live_ids: Callable[[], frozenset[str]] = frozenset,
     ) -> None:
         self._archive = archive
         self._store = store
         self._queue = queue
         self._cluster_resources = cluster_resources
+        # The jobs whose archived status may lag the KV's (watched ones, ends the disk refused).
+        self._live_ids = live_ids
 
     async def record(self, submission_id: str, tenant: str | None = None) -> JobRecord:
         """The job as it is: its archived row, or for a live one what the KV says now. A job
@@ -42,6 +50,37 @@ class JobViews:
         if archived.status.is_terminal():
             return archived
         return (await self._store.current([archived])).get(submission_id, archived)
+
+    async def page(
+        self, query: JobQuery, *, after: str | None, limit: int | None
+    ) -> tuple[list[JobRecord], bool]:
+        """Up to `limit` jobs matching `query` as they are now, after the job `after`, and
+        whether more may follow (UnknownCursorError for an unknown `after`)."""
+        query, wanted = self._by_status_now(query)
+        # Only a live job can be dropped (it is not what its row says): reading as many more
+        # rows as there are live jobs still fills the page, in one read.
+        extra = 0 if wanted is None or limit is None else len(query.live_ids)
+        rows, more = await self._archive.page(
+            query, after=after, limit=None if limit is None else limit + extra
+        )
+        records = _keep(await self.as_they_are(rows), wanted)
+        if limit is not None and len(records) > limit:
+            return records[:limit], True
+        return records, more
+
+    async def stream(self, query: JobQuery, *, after: str | None) -> AsyncIterator[list[JobRecord]]:
+        """Every job matching `query` as it is now, after the job `after`, in batches."""
+        query, wanted = self._by_status_now(query)
+        async for batch in self._archive.stream(query, after=after):
+            records = _keep(await self.as_they_are(batch), wanted)
+            if records:
+                yield records
+
+    def _by_status_now(self, query: JobQuery) -> tuple[JobQuery, frozenset[JobStatus] | None]:
+        """The query that also reads the live jobs, and the statuses to keep them by."""
+        if query.statuses is None:
+            return query, None
+        return dataclasses.replace(query, live_ids=self._live_ids()), query.statuses
 
     async def as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
@@ -74,6 +113,10 @@ class JobViews:
             return record.with_changes(message=queued)
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())
         return record if waiting_for is None else record.with_changes(message=waiting_for)
+
+
+def _keep(records: list[JobRecord], statuses: frozenset[JobStatus] | None) -> list[JobRecord]:
+    return records if statuses is None else [r for r in records if r.status in statuses]
 
 
 def in_scope(record: JobRecord, tenant: str | None) -> bool:

@@ -92,6 +92,10 @@ class JobWatchers:
         if self._current.get(submission_id) is task:
             del self._current[submission_id]
 
+    def watched_ids(self) -> frozenset[str]:
+        """The jobs watched now (live: the archive may lag the KV on their status)."""
+        return frozenset(self._current)
+
     def has_ended(self, submission_id: str) -> bool | None:
         """Whether the watched job has ended (its end is recorded); None if none watches it."""
         task = self._current.get(submission_id)
