@@ -77,3 +77,27 @@ async def test_a_status_filter_sees_the_status_a_job_has_now(
         gate.touch()
     await wait_for_status(client, job, {"SUCCEEDED"})
     assert await listed(client, "status=SUCCEEDED") == {other: "SUCCEEDED", job: "SUCCEEDED"}
+
+
+async def test_a_list_of_unfinished_jobs_is_empty_only_once_every_job_has_ended(
+    aiohttp_client: Any, settings: Any
+) -> None:
+    """A burst over a cap: a client that polls for unfinished jobs (one at a time) and stops
+    when there are none has seen every job end."""
+    from jobs_server.app import create_app
+
+    client = await aiohttp_client(create_app(settings.model_copy(update={"max_running_jobs": 4})))
+    ids = [f"burst-{index:03d}" for index in range(120)]
+
+    async def post(job_id: str) -> None:
+        await submit(client, submission_id=job_id, entrypoint="true")
+
+    posting = asyncio.gather(*(post(job_id) for job_id in ids))
+    await asyncio.sleep(0.2)
+    deadline = asyncio.get_running_loop().time() + 120
+    while await listed(client, "status=PENDING,RUNNING&limit=1"):
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.02)
+    await posting
+    statuses = await listed(client, "")
+    assert [statuses.get(job_id) for job_id in ids] == ["SUCCEEDED"] * len(ids)

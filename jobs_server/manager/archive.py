@@ -362,6 +362,17 @@ class Archive:
         it is not here), and whether more follow."""
         return await self._read(queries.page_of_jobs, query, after, limit)
 
+    async def window(
+        self, query: JobQuery, *, after_seq: int | None, limit: int
+    ) -> tuple[list[JobRecord], bool, int | None]:
+        """`page` from a position (`seq_of` one job, or the last seq of a window before):
+        the jobs, whether more follow, and the last one's position."""
+        return await self._read(queries.window_of_jobs, query, after_seq, limit)
+
+    async def seq_of(self, after: str, tenant: str | None) -> int:
+        """The position of the job `after` (UnknownCursorError if it is not here)."""
+        return await self._read(queries.seq_of, after, tenant)
+
     async def stream(
         self, query: JobQuery, *, after: str | None = None
     ) -> AsyncIterator[list[JobRecord]]:

@@ -87,9 +87,20 @@ def page_of_jobs(
     db: sqlite3.Connection, query: JobQuery, after: str | None, limit: int | None
 ) -> tuple[list[JobRecord], bool]:
     after_seq = None if after is None else seq_of(db, after, query.tenant)
+    records, more, _ = window_of_jobs(db, query, after_seq, limit)
+    return records, more
+
+
+def window_of_jobs(
+    db: sqlite3.Connection, query: JobQuery, after_seq: int | None, limit: int | None
+) -> tuple[list[JobRecord], bool, int | None]:
+    """Up to `limit` jobs of `query` after `after_seq`, whether more follow, and the seq of
+    the last one (where the next window starts; None if none was read)."""
     rows = _rows(db, query, after_seq, None if limit is None else limit + 1)
     more = limit is not None and len(rows) > limit
-    return [JobRecord.model_validate_json(row[1]) for row in rows[:limit]], more
+    rows = rows[:limit]
+    last_seq = rows[-1][0] if rows else None
+    return [JobRecord.model_validate_json(row[1]) for row in rows], more, last_seq
 
 
 def batch_of_jobs(

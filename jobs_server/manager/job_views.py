@@ -57,16 +57,24 @@ class JobViews:
         """Up to `limit` jobs matching `query` as they are now, after the job `after`, and
         whether more may follow (UnknownCursorError for an unknown `after`)."""
         query, wanted = self._by_status_now(query)
-        # Only a live job can be dropped (it is not what its row says): reading as many more
-        # rows as there are live jobs still fills the page, in one read.
-        extra = 0 if wanted is None or limit is None else len(query.live_ids)
-        rows, more = await self._archive.page(
-            query, after=after, limit=None if limit is None else limit + extra
-        )
-        records = _keep(await self.as_they_are(rows), wanted)
-        if limit is not None and len(records) > limit:
-            return records[:limit], True
-        return records, more
+        if wanted is None or limit is None:
+            rows, more = await self._archive.page(query, after=after, limit=limit)
+            return _keep(await self.as_they_are(rows), wanted), more
+        # Windows of rows until the page is full: a row is dropped when its job is no longer
+        # what its row says (it moved on since), which a busy server's live jobs do by the
+        # dozen between the two reads.
+        position = None if after is None else await self._archive.seq_of(after, query.tenant)
+        window = limit + len(query.live_ids)
+        records: list[JobRecord] = []
+        while True:
+            rows, more, position = await self._archive.window(
+                query, after_seq=position, limit=window
+            )
+            records += _keep(await self.as_they_are(rows), wanted)
+            if len(records) > limit:
+                return records[:limit], True
+            if not more:
+                return records, False
 
     async def stream(self, query: JobQuery, *, after: str | None) -> AsyncIterator[list[JobRecord]]:
         """Every job matching `query` as it is now, after the job `after`, in batches."""
