@@ -64,7 +64,8 @@ class JobViews:
         # what its row says (it moved on since), which a busy server's live jobs do by the
         # dozen between the two reads.
         position = None if after is None else await self._archive.seq_of(after, query.tenant)
-        window = limit + len(query.live_ids)
+        # One more than the page: a full first window also tells whether more follow.
+        window = limit + 1 + len(query.live_ids)
         records: list[JobRecord] = []
         while True:
             rows, more, position = await self._archive.window(
