@@ -6,14 +6,17 @@ in which the two differ stays open while the lists are read."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient
 
+from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
 
 Client = TestClient[Any, Any]
@@ -80,12 +83,10 @@ async def test_a_status_filter_sees_the_status_a_job_has_now(
 
 
 async def test_a_list_of_unfinished_jobs_is_empty_only_once_every_job_has_ended(
-    aiohttp_client: Any, settings: Any
+    aiohttp_client: Callable[..., Awaitable[Client]], settings: Settings
 ) -> None:
     """A burst over a cap: a client that polls for unfinished jobs (one at a time) and stops
     when there are none has seen every job end."""
-    from jobs_server.app import create_app
-
     client = await aiohttp_client(create_app(settings.model_copy(update={"max_running_jobs": 4})))
     ids = [f"burst-{index:03d}" for index in range(120)]
 

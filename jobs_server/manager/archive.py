@@ -112,7 +112,7 @@ class Archive:
     async def open(self) -> None:
         await self._run(self._open)
         # After the writer's migrations: the reader sees the schema as this server knows it.
-        await asyncio.get_running_loop().run_in_executor(self._reader, self._open_reader)
+        await self._on_reader(self._open_reader)
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +144,7 @@ class Archive:
     async def close(self) -> None:
         await self._writes.close()
         if self._read_db is not None:
-            await asyncio.get_running_loop().run_in_executor(self._reader, self._read_db.close)
+            await self._on_reader(self._read_db.close)
             self._read_db = None
         self._reader.shutdown(wait=True)
         if self._db is not None:
@@ -154,6 +154,9 @@ class Archive:
 
     async def _run(self, function: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
+
+    async def _on_reader(self, function: Callable[..., _T], *args: Any) -> _T:
+        return await asyncio.get_running_loop().run_in_executor(self._reader, function, *args)
 
     def _conn(self) -> sqlite3.Connection:
         if self._db is None:
@@ -330,9 +333,7 @@ class Archive:
 
     async def _read(self, read: Callable[..., _T], *args: Any) -> _T:
         """`read(connection, *args)` on the reads' thread and connection."""
-        return await asyncio.get_running_loop().run_in_executor(
-            self._reader, lambda: read(self._read_conn(), *args)
-        )
+        return await self._on_reader(lambda: read(self._read_conn(), *args))
 
     def _read_conn(self) -> sqlite3.Connection:
         if self._read_db is None:
