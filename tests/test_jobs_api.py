@@ -57,6 +57,30 @@ async def test_echo_job_succeeds_with_exact_output(client: Client) -> None:
     assert await job_logs(client, job_id) == "hello\n"
 
 
+async def test_a_job_that_ends_at_once_records_where_it_ran_with_its_end(client: Client) -> None:
+    """Its start is written with its end (one write): nothing of the start is missing."""
+    job_id = await submit(client, entrypoint="true")
+    job = await wait_for_status(client, job_id)
+    assert job["status"] == "SUCCEEDED", job
+    assert job["message"] == "Job finished successfully."
+    assert job["driver_node_id"], job
+    (attempt,) = job["attempts"]
+    assert attempt["exit_code"] == 0
+    assert attempt["log_offset"] == 0
+    assert attempt["start_time"] <= attempt["end_time"] <= job["end_time"]
+
+
+async def test_a_running_job_reads_running_with_where_it_runs(client: Client) -> None:
+    job_id = await submit(client, entrypoint="sleep 60")
+    job = await wait_for_status(client, job_id, {"RUNNING"})
+    assert job["driver_node_id"], job
+    (attempt,) = job["attempts"]
+    assert attempt["end_time"] is None
+    response = await client.post(f"/api/jobs/{job_id}/stop")
+    assert response.status == 200
+    assert (await wait_for_status(client, job_id))["status"] == "STOPPED"
+
+
 async def test_pipeline_runs_in_a_shell(client: Client, tmp_path: Path) -> None:
     for name in ("alpha.txt", "beta.txt", "gamma.log"):
         (tmp_path / name).write_text("x")

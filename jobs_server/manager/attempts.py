@@ -53,6 +53,10 @@ from jobs_server.manager.store import JobStore
 logger = logging.getLogger(__name__)
 
 STOPPED_MESSAGE = "Job was intentionally stopped."
+# An attempt's start is written once it has run this long, or with its end if that comes first.
+# Until then the job reads PENDING (as a job whose start is being recorded always has), and a
+# stop calls it off at once (supervisor.py: `call_off`).
+START_RECORD_DELAY_S = 0.1
 
 
 class AttemptHost(Protocol):
@@ -94,6 +98,8 @@ class JobAttempts:
         self._attempts: list[JobAttempt] = []
         # The job's timeout, over all its attempts and the waits between them (monotonic).
         self._deadline: float | None = None
+        # The running attempt's start, until a write of the record carries it.
+        self._unwritten_start: dict[str, Any] = {}
 
     async def run(self) -> JobRecord | None:
         """Run the job's attempts and return its record as it ended (the end that won in the
@@ -178,9 +184,9 @@ class JobAttempts:
         # while the attempt is being recorded: that write may take long on a busy GCS.
         ending = asyncio.create_task(self._run_until_end(process, job_token, containment))
         try:
-            record = await self._record_attempt_start(process.pid)
+            record = await self._record_attempt_start(process.pid, ending)
             run.started.set()
-            if record.status.is_terminal():
+            if record is not None and record.status.is_terminal():
                 # Ended (by the server) while the command was starting: it must not run on.
                 end_grace_within(run, 0)
                 run.stop_requested.set()
@@ -204,8 +210,19 @@ class JobAttempts:
         )
         return await self._after_attempt(end)
 
-    async def _record_attempt_start(self, pid: int) -> JobRecord:
-        """RUNNING with the first attempt; each later one adds itself (and its pid)."""
+    async def _record_attempt_start(
+        self, pid: int, ending: asyncio.Task[CommandEnd]
+    ) -> JobRecord | None:
+        """RUNNING with the first attempt; each later one adds itself (and its pid). Written
+        once the attempt has run for START_RECORD_DELAY_S: an attempt that ends sooner (most
+        short jobs) has its start written with its end, in one write instead of two (None)."""
+        self._unwritten_start = self._attempt_start_changes(pid)
+        done, _ = await asyncio.wait({ending}, timeout=START_RECORD_DELAY_S)
+        if done:
+            return None
+        return await self._update()
+
+    def _attempt_start_changes(self, pid: int) -> dict[str, Any]:
         changes: dict[str, Any] = {
             "message": running_message(len(self._attempts), self._job.max_retries),
             "driver_pid": pid,
@@ -219,7 +236,15 @@ class JobAttempts:
                 driver_node_id=context.get_node_id(),
                 driver_node_ip=ray.util.get_node_ip_address(),
             )
-        return await self._store.update(self._job.submission_id, self._job.run_id, **changes)
+        return changes
+
+    async def _update(self, **changes: Any) -> JobRecord:
+        """Write `changes` to the job's record, with the attempt's start if it is not written
+        yet (what `changes` says wins: an end's status and message over RUNNING's)."""
+        changes = {**self._unwritten_start, **changes}
+        record = await self._store.update(self._job.submission_id, self._job.run_id, **changes)
+        self._unwritten_start = {}
+        return record
 
     async def _run_until_end(
         self, process: CommandProcess, job_token: str, containment: Containment
@@ -278,9 +303,7 @@ class JobAttempts:
         if refusal is not None:
             return await self._record_failure(end.exit_code, refusal)
         delay_s = retry_backoff_s(job.retry_backoff_s, count)
-        record = await self._store.update(
-            job.submission_id,
-            job.run_id,
+        record = await self._update(
             message=backoff_message(count, job.max_retries, end.exit_code, delay_s),
             attempts=tuple(self._attempts),
         )
@@ -346,6 +369,4 @@ class JobAttempts:
                     self._job.submission_id,
                     run.log_path,
                 )
-        return await self._store.update(
-            self._job.submission_id, self._job.run_id, attempts=tuple(self._attempts), **changes
-        )
+        return await self._update(attempts=tuple(self._attempts), **changes)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs_server.manager.drivers import driver_job_metadata
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.process import JOB_TOKEN_ENV_VAR, StopDeadline
+from jobs_server.manager.ray_metrics import job_env_without_plumbing_setting
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 
@@ -90,6 +91,7 @@ def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dic
         for name, value in os.environ.items()
         if not name.upper().startswith("JOBS_SERVER_")
     }
+    job_env_without_plumbing_setting(env)
     # A shared supervisor runs jobs with different env_vars: each process gets its own.
     env.update(job.runtime_env.get("env_vars") or {})
     # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's

@@ -20,6 +20,7 @@ import ray
 from jobs_server.errors import ClusterUnavailableError
 from jobs_server.manager.containment import detect_containment
 from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.ray_metrics import turn_back_on, turn_off_for_this_process
 
 logger = logging.getLogger(__name__)
 
@@ -79,14 +80,17 @@ def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnecti
         token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     elif address:
         logger.info("joining the Ray cluster at %s", address)
+        turn_off_for_this_process()
         ray.init(address=address, **init_options)
         embedded = False
     elif _gcs_server_runs_here():
         try:
+            turn_off_for_this_process()
             ray.init(address="auto", **init_options)
             logger.info("joined the Ray cluster running on this machine")
             embedded = False
         except ConnectionError:
+            turn_back_on()  # the embedded cluster's processes keep theirs
             token_dir = _start_embedded_ray(embedded_node_ip, init_options)
     else:
         token_dir = _start_embedded_ray(embedded_node_ip, init_options)

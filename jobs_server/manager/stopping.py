@@ -88,13 +88,18 @@ class JobStopper:
         if record.status is JobStatus.RUNNING and supervisor is not None:
             await self._ask_to_stop(record, supervisor, grace_period_s)
             return True
-        # PENDING here, but the command may have started since: only its supervisor knows. It
-        # calls the job off (the command never starts) or stops it, and answers once nothing
-        # of the job runs; the end it recorded in the KV is archived now, so a read right after
-        # the stop sees it.
-        if supervisor is not None and await self._call_off(record, supervisor):
-            await self._learn_end(record)
-            return True
+        # PENDING here, but the command may have started since (its start is written a moment
+        # later: attempts.py): only its supervisor knows. It calls the job off (the command
+        # never starts) and answers once nothing of the job runs, and the end it recorded in
+        # the KV is archived now, so a read right after the stop sees it; or it stops the
+        # started command as a running job's, with the grace period asked for.
+        if supervisor is not None:
+            answer = await self._call_off(record, supervisor, grace_period_s)
+            if answer is JobStatus.RUNNING:
+                return True  # it had started: it is being stopped as a running job is
+            if answer is not None:
+                await self._learn_end(record)
+                return True
         # No supervisor answered (its own one is not up yet, or it is gone): the command has
         # not started. Compare-and-set: if the job ended (or started and was stopped) first,
         # that stays; a supervisor that starts it right now finds the record terminal and
@@ -130,26 +135,28 @@ class JobStopper:
                 raise
             logger.warning("the disk is full: job %s's end is archived later", record.submission_id)
 
-    async def _call_off(self, record: JobRecord, supervisor: Any) -> bool:
-        """Have the supervisor call off a job it may be starting; True once it has recorded
-        the end and nothing of the job runs, False if it did not answer in time."""
+    async def _call_off(
+        self, record: JobRecord, supervisor: Any, grace_period_s: float | None
+    ) -> JobStatus | None:
+        """Have the supervisor call off a job it may be starting: its terminal status once the
+        supervisor has recorded the end and nothing of the job runs, RUNNING if its command
+        had started (it is being stopped), None if the supervisor did not answer in time."""
         name = record.supervisor_name or ""
         # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
         # it ends with its actor, and its outcome is then read and dropped.
         call = asyncio.ensure_future(
-            supervisor.call_off.remote(record.submission_id, record.run_id)
+            supervisor.call_off.remote(record.submission_id, record.run_id, grace_period_s)
         )
         call.add_done_callback(lambda done: done.cancelled() or done.exception())
         answered, _ = await asyncio.wait(
             {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S
         )
         if not answered:
-            return False
+            return None
         try:
-            call.result()
+            return JobStatus(call.result())
         except (ActorDiedError, ActorUnavailableError):
-            return False
-        return True
+            return None
 
     async def _ask_to_stop(
         self, record: JobRecord, supervisor: Any, grace_period_s: float | None

@@ -162,11 +162,14 @@ class JobSupervisor:
         run.stop_requested.set()
         return True
 
-    async def call_off(self, submission_id: str, run_id: str) -> JobStatus:
-        """Stop a job the server saw PENDING, and return its terminal status once nothing of it
-        runs. Only this supervisor knows whether the command has started: if not, it never
-        will (and the job is STOPPED before it started); if it has, it is stopped at once, and
-        ends as any stopped job (or as it ended, if it ended first)."""
+    async def call_off(
+        self, submission_id: str, run_id: str, grace_period_s: float | None = None
+    ) -> JobStatus:
+        """Stop a job the server saw PENDING. Only this supervisor knows whether the command
+        has started: if not, it never will (the job is STOPPED before it started), and its
+        terminal status is returned once nothing of it runs. If it has (its start is not
+        written yet: attempts.py), it is stopped as a running job is (SIGTERM, the grace
+        period, SIGKILL) and RUNNING is returned at once: it ends as any stopped job."""
         run = self._runs.get(submission_id)
         if run is None or run.job.run_id != run_id:
             # `run_job` has not brought it yet (or waits behind an earlier run of the id).
@@ -176,11 +179,10 @@ class JobSupervisor:
                     submission_id, run_id, status=JobStatus.STOPPED, message=NEVER_STARTED_MESSAGE
                 )
             ).status
-        if not run.start_began:
-            run.called_off = True
-        else:
-            end_grace_within(run, 0)
-            run.stop_requested.set()
+        if run.start_began:
+            await self.stop_job(submission_id, grace_period_s)
+            return JobStatus.RUNNING
+        run.called_off = True
         assert run.task is not None
         exited = asyncio.ensure_future(run.exited.wait())
         try:

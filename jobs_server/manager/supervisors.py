@@ -22,6 +22,7 @@ import ray
 from ray.exceptions import ActorDiedError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from jobs_server.manager.ray_metrics import SUPERVISOR_ENV_VARS
 from jobs_server.manager.records import JobSpec
 from jobs_server.manager.supervisor import JobSupervisor
 
@@ -176,6 +177,8 @@ class Supervisors:
                     # Ray's task history loads the GCS and buries real tasks in the
                     # dashboard. Measured: 1,000 sleepers RUNNING 10% sooner.
                     enable_task_events=False,
+                    # For the same reason, no Ray metrics of its own (ray_metrics.py).
+                    runtime_env={"env_vars": SUPERVISOR_ENV_VARS},
                 )
                 .remote(self._kv_namespace)
             )

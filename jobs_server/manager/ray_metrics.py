@@ -1,0 +1,47 @@
+"""Ray's own metrics for the server's plumbing: off.
+
+Every Ray process records metrics of its own work (a latency histogram per actor call, counters
+per RPC) and exports them to its node's dashboard agent. For a shared supervisor and for the
+server that work is plumbing, several calls per job: recording, exporting and ingesting them
+cost about a fifth of the CPU a short job takes on the whole machine (measured with
+`benchmarks.job_starts`). Ray reads the setting from each process's environment when the
+process starts, so it is turned off for these processes alone; the cluster's other processes,
+and every job's own processes, keep the cluster's setting.
+"""
+
+from __future__ import annotations
+
+import os
+
+RAY_METRICS_ENV_VAR = "RAY_enable_metrics_collection"
+# Set beside it in a supervisor's environment: its jobs' commands get the node's setting back.
+METRICS_OFF_MARKER_ENV_VAR = "JOBS_SERVER_RAY_METRICS_OFF"
+
+SUPERVISOR_ENV_VARS = {RAY_METRICS_ENV_VAR: "0", METRICS_OFF_MARKER_ENV_VAR: "1"}
+
+
+_before: dict[str, str | None] = {}
+
+
+def turn_off_for_this_process() -> None:
+    """Before `ray.init` joins a cluster: this process's Ray core records no metrics. Not for
+    an embedded cluster, whose processes `ray.init` starts with this environment."""
+    _before.setdefault(RAY_METRICS_ENV_VAR, os.environ.get(RAY_METRICS_ENV_VAR))
+    os.environ[RAY_METRICS_ENV_VAR] = "0"
+
+
+def turn_back_on() -> None:
+    """Undo `turn_off_for_this_process` (a join that failed: an embedded cluster starts)."""
+    if RAY_METRICS_ENV_VAR not in _before:
+        return
+    value = _before.pop(RAY_METRICS_ENV_VAR)
+    if value is None:
+        os.environ.pop(RAY_METRICS_ENV_VAR, None)
+    else:
+        os.environ[RAY_METRICS_ENV_VAR] = value
+
+
+def job_env_without_plumbing_setting(env: dict[str, str]) -> None:
+    """Drop from a job's environment what a supervisor's own setting put there."""
+    if os.environ.get(METRICS_OFF_MARKER_ENV_VAR):
+        env.pop(RAY_METRICS_ENV_VAR, None)
