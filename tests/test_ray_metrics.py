@@ -35,9 +35,8 @@ def _shared_supervisor_pid(namespace: str) -> int:
 async def test_metrics_are_off_for_the_shared_supervisor_not_for_its_jobs(
     client: Client, settings: Settings
 ) -> None:
-    job_id = await submit(
-        client, entrypoint=f'echo "metrics=${{{RAY_METRICS_ENV_VAR}-unset}}"; env'
-    )
+    prints_setting = f'echo "metrics=${{{RAY_METRICS_ENV_VAR}-unset}}"'
+    job_id = await submit(client, entrypoint=f"{prints_setting}; env")
     job = await wait_for_status(client, job_id)
     logs = await job_logs(client, job_id)
     assert job["status"] == "SUCCEEDED", logs
