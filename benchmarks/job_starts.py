@@ -62,9 +62,14 @@ def gcs_process(head_pid: int) -> psutil.Process:
 def machine_busy_s() -> float:
     """The machine's CPU time on anything but idling (every process, the kernel, this client)."""
     times = psutil.cpu_times()
-    return sum(times) - times.idle - times.iowait - getattr(times, "steal", 0.0) - getattr(
-        times, "guest", 0.0
-    ) - getattr(times, "guest_nice", 0.0)
+    return (
+        sum(times)
+        - times.idle
+        - times.iowait
+        - getattr(times, "steal", 0.0)
+        - getattr(times, "guest", 0.0)
+        - getattr(times, "guest_nice", 0.0)
+    )
 
 
 def own_cpu_s(process: psutil.Process) -> float:
