@@ -45,6 +45,8 @@ async def test_metrics_are_off_for_the_shared_supervisor_not_for_its_jobs(
     assert "JOBS_SERVER_RAY_METRICS_OFF" not in logs
     supervisor = psutil.Process(_shared_supervisor_pid(settings.namespace))
     assert supervisor.environ().get(RAY_METRICS_ENV_VAR) == "0"
+    # Where a job's command finds the node's setting: the raylet that started the supervisor.
+    assert supervisor.parent().name() == "raylet"
     # A job may set it itself.
     own_id = await submit(
         client,

@@ -53,10 +53,6 @@ from jobs_server.manager.store import JobStore
 logger = logging.getLogger(__name__)
 
 STOPPED_MESSAGE = "Job was intentionally stopped."
-# An attempt's start is written once it has run this long, or with its end if that comes first.
-# Until then the job reads PENDING (as a job whose start is being recorded always has), and a
-# stop calls it off at once (supervisor.py: `call_off`).
-START_RECORD_DELAY_S = 0.1
 
 
 class AttemptHost(Protocol):
@@ -187,8 +183,10 @@ class JobAttempts:
             record = await self._record_attempt_start(process.pid, ending)
             run.started.set()
             if record is not None and record.status.is_terminal():
-                # Ended (by the server) while the command was starting: it must not run on.
-                end_grace_within(run, 0)
+                # Ended (by the server) while the command was starting: it must not run on
+                # (a stop asked for meanwhile keeps its grace period).
+                if not run.stop_requested.is_set():
+                    end_grace_within(run, 0)
                 run.stop_requested.set()
                 await ending
                 return record
@@ -214,12 +212,14 @@ class JobAttempts:
         self, pid: int, ending: asyncio.Task[CommandEnd]
     ) -> JobRecord | None:
         """RUNNING with the first attempt; each later one adds itself (and its pid). Written
-        once the attempt has run for START_RECORD_DELAY_S: an attempt that ends sooner (most
-        short jobs) has its start written with its end, in one write instead of two (None)."""
+        once the attempt has run for the job's `start_record_delay_s`: an attempt that ends
+        sooner (most short jobs) has its start written with its end, in one write instead of
+        two (None)."""
         self._unwritten_start = self._attempt_start_changes(pid)
-        done, _ = await asyncio.wait({ending}, timeout=START_RECORD_DELAY_S)
-        if done:
-            return None
+        if self._job.start_record_delay_s > 0:
+            done, _ = await asyncio.wait({ending}, timeout=self._job.start_record_delay_s)
+            if done:
+                return None
         return await self._update()
 
     def _attempt_start_changes(self, pid: int) -> dict[str, Any]:

@@ -50,6 +50,8 @@ class SupervisedJob(BaseModel):
     retry_on_exit_codes: tuple[int, ...] | None = None
     retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
     """The wait before the first retry (doubled for each further one; see retries.py)."""
+    start_record_delay_s: float = 0.0
+    """How long an attempt runs before its start is written (see attempts.py); 0: at once."""
 
 
 @dataclass

@@ -11,7 +11,14 @@ from jobs_server.manager.job_run import SupervisedJob
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
-from jobs_server.manager.supervisors import Supervisors
+from jobs_server.manager.supervisors import Supervisors, is_dedicated
+
+# A shared supervisor writes a job's start once its command has run this long, or with its end if
+# that comes first: a short job costs one write to the GCS instead of two. Until then the job
+# reads PENDING, and a stop still reaches the command (supervisor.py: `call_off`). A job with a
+# supervisor of its own (a runtime env, resources: it waited, and its start timeout counts) has
+# its start written at once.
+SHARED_START_RECORD_DELAY_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -78,4 +85,7 @@ class Launcher:
             max_retries=spec.max_retries,
             retry_on_exit_codes=spec.retry_on_exit_codes,
             retry_backoff_s=self._retry_backoff_s,
+            start_record_delay_s=(
+                0.0 if is_dedicated(record.supervisor_name or "") else SHARED_START_RECORD_DELAY_S
+            ),
         ).model_dump(mode="json")

@@ -11,7 +11,9 @@ and every job's own processes, keep the cluster's setting.
 
 from __future__ import annotations
 
+import functools
 import os
+from pathlib import Path
 
 RAY_METRICS_ENV_VAR = "RAY_enable_metrics_collection"
 # Set beside it in a supervisor's environment: its jobs' commands get the node's setting back.
@@ -42,6 +44,26 @@ def turn_back_on() -> None:
 
 
 def job_env_without_plumbing_setting(env: dict[str, str]) -> None:
-    """Drop from a job's environment what a supervisor's own setting put there."""
-    if os.environ.get(METRICS_OFF_MARKER_ENV_VAR):
+    """Give a job's environment the node's setting back, where a supervisor's own setting
+    replaced it: the value of the raylet that started this worker process, if it has one."""
+    if not os.environ.get(METRICS_OFF_MARKER_ENV_VAR):
+        return
+    node_value = _raylet_setting()
+    if node_value is None:
         env.pop(RAY_METRICS_ENV_VAR, None)
+    else:
+        env[RAY_METRICS_ENV_VAR] = node_value
+
+
+@functools.cache
+def _raylet_setting() -> str | None:
+    """The setting in the environment of this process's parent (the raylet that started it)."""
+    try:
+        environ = Path(f"/proc/{os.getppid()}/environ").read_bytes()
+    except OSError:
+        return None
+    prefix = f"{RAY_METRICS_ENV_VAR}=".encode()
+    for entry in environ.split(b"\0"):
+        if entry.startswith(prefix):
+            return entry[len(prefix) :].decode(errors="replace")
+    return None

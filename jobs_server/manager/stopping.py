@@ -144,9 +144,12 @@ class JobStopper:
         name = record.supervisor_name or ""
         # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
         # it ends with its actor, and its outcome is then read and dropped.
-        call = asyncio.ensure_future(
-            supervisor.call_off.remote(record.submission_id, record.run_id, grace_period_s)
-        )
+        try:
+            ref = supervisor.call_off.remote(record.submission_id, record.run_id, grace_period_s)
+        except TypeError:
+            # A supervisor of an earlier version (its call_off takes no grace period).
+            ref = supervisor.call_off.remote(record.submission_id, record.run_id)
+        call = asyncio.ensure_future(ref)
         call.add_done_callback(lambda done: done.cancelled() or done.exception())
         answered, _ = await asyncio.wait(
             {call}, timeout=CALL_OFF_WAIT_S if is_dedicated(name) else SHARED_CALL_OFF_WAIT_S

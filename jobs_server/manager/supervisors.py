@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError
+from ray.exceptions import ActorDiedError, RuntimeEnvSetupError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs_server.manager.ray_metrics import SUPERVISOR_ENV_VARS
@@ -67,6 +67,8 @@ class Supervisors:
         self._shared_names = [f"{_SHARED_NAME_PREFIX}{index}" for index in range(shared_count)]
         self._shared_handles: dict[str, Any] = {}
         self._round_robin = itertools.cycle(self._shared_names)
+        # Whether shared supervisors are created with Ray's metrics off (ray_metrics.py).
+        self._metrics_off = True
 
     async def start(self) -> None:
         """Create (or find, after a restart) the shared supervisors and wait until they answer."""
@@ -77,6 +79,18 @@ class Supervisors:
             try:
                 await self._shared(name).ping.remote()
                 return
+            except RuntimeEnvSetupError as error:
+                if not self._metrics_off:
+                    raise
+                # Its environment (Ray's metrics off) goes through Ray's runtime env agent:
+                # without one that works, the supervisors run with the cluster's setting.
+                logger.warning(
+                    "Ray could not set up the shared supervisors' environment; they keep "
+                    "Ray's metrics on: %s",
+                    str(error).strip().splitlines()[0] if str(error).strip() else error,
+                )
+                self._metrics_off = False
+                self.forget(name)
             except ActorDiedError:
                 # Found under its name as it died (killed while no server ran): its name is
                 # released soon, and the next attempt creates a new one.
@@ -178,7 +192,7 @@ class Supervisors:
                     # dashboard. Measured: 1,000 sleepers RUNNING 10% sooner.
                     enable_task_events=False,
                     # For the same reason, no Ray metrics of its own (ray_metrics.py).
-                    runtime_env={"env_vars": SUPERVISOR_ENV_VARS},
+                    runtime_env={"env_vars": SUPERVISOR_ENV_VARS} if self._metrics_off else None,
                 )
                 .remote(self._kv_namespace)
             )

@@ -273,11 +273,16 @@ class JobWatchers:
         return answer
 
     async def _never_started(self, record: JobRecord) -> bool:
+        """Whether the run's command never began: PENDING, and no log (a command's start
+        creates it before its start is recorded: a command that began must not run twice)."""
         try:
             current = await self._store.get(record.submission_id, record.run_id)
         except JobNotFoundError:
             return False
-        return current.status is JobStatus.PENDING
+        if current.status is not JobStatus.PENDING:
+            return False
+        log_path = job_log_path(self._log_dir, record.submission_id)
+        return not await asyncio.to_thread(log_path.exists)
 
     async def _died_message(self, record: JobRecord, error: ActorDiedError) -> str:
         """Name the lost node when the supervisor died with it, else say what Ray says."""
