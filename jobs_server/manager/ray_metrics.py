@@ -11,7 +11,6 @@ and every job's own processes, keep the cluster's setting.
 
 from __future__ import annotations
 
-import functools
 import os
 from pathlib import Path
 
@@ -55,9 +54,19 @@ def job_env_without_plumbing_setting(env: dict[str, str]) -> None:
         env[RAY_METRICS_ENV_VAR] = node_value
 
 
-@functools.cache
+# Read once per process. Not `functools.cache`: a cached function is pickled by reference, and a
+# worker node has no jobs_server to import it from (the supervisor's code travels by value).
+_raylet_settings: dict[str, str | None] = {}
+
+
 def _raylet_setting() -> str | None:
     """The setting in the environment of this process's parent (the raylet that started it)."""
+    if RAY_METRICS_ENV_VAR not in _raylet_settings:
+        _raylet_settings[RAY_METRICS_ENV_VAR] = _read_raylet_setting()
+    return _raylet_settings[RAY_METRICS_ENV_VAR]
+
+
+def _read_raylet_setting() -> str | None:
     try:
         environ = Path(f"/proc/{os.getppid()}/environ").read_bytes()
     except OSError:
