@@ -69,6 +69,11 @@ class Launcher:
         """The job's log on the head; a command that began has created it."""
         return job_log_path(self._log_dir, record.submission_id)
 
+    async def has_log(self, record: JobRecord) -> bool:
+        """Whether the job's log is on the head: its command began (a command on the head
+        creates it as it starts, before its start is recorded)."""
+        return await asyncio.to_thread(self.log_path(record).exists)
+
     def supervised_job(self, record: JobRecord) -> dict[str, Any]:
         """What the supervisor needs, as the plain fields `run_job` takes."""
         spec = record.spec

@@ -3,10 +3,10 @@
 Every Ray process records metrics of its own work (a latency histogram per actor call, counters
 per RPC) and exports them to its node's dashboard agent. For a shared supervisor and for the
 server that work is plumbing, several calls per job: recording, exporting and ingesting them
-cost about a fifth of the CPU a short job takes on the whole machine (measured with
+cost about a tenth of the CPU a short job takes on the whole machine (measured with
 `benchmarks.job_starts`). Ray reads the setting from each process's environment when the
-process starts, so it is turned off for these processes alone; the cluster's other processes,
-and every job's own processes, keep the cluster's setting.
+process starts, so it is turned off for these processes alone; the cluster's other processes
+keep the cluster's setting, and every job's own processes their node's.
 """
 
 from __future__ import annotations

@@ -108,9 +108,7 @@ class Recovery:
     async def _reconcile_without_kv(self, row: JobRecord) -> None:
         """An unfinished job the KV does not have: never handed over, or its cluster's KV is
         gone (a restarted cluster)."""
-        if row.status is JobStatus.PENDING and not await asyncio.to_thread(
-            self._launcher.log_path(row).exists
-        ):
+        if row.status is JobStatus.PENDING and not await self._launcher.has_log(row):
             # Queued when the server stopped, or it died between archiving the job and handing
             # it over (or the cluster went away before it began): it was accepted, so it runs
             # when the queue hands it a slot.
@@ -178,7 +176,7 @@ class Recovery:
     async def _began_elsewhere(self, record: JobRecord, supervisor: Any | None) -> bool:
         """Whether a pending job's command began (its log exists) under a supervisor that is
         not running it now."""
-        if not await asyncio.to_thread(self._launcher.log_path(record).exists):
+        if not await self._launcher.has_log(record):
             return False
         if supervisor is None:
             return True

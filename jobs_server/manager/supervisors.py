@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from jobs_server.manager.ray_metrics import SUPERVISOR_ENV_VARS
 from jobs_server.manager.records import JobSpec
 from jobs_server.manager.supervisor import JobSupervisor
+from jobs_server.manager.supervisor_calls import first_line
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class Supervisors:
                 logger.warning(
                     "Ray could not set up the shared supervisors' environment; they keep "
                     "Ray's metrics on: %s",
-                    str(error).strip().splitlines()[0] if str(error).strip() else error,
+                    first_line(error),
                 )
                 self._metrics_off = False
                 self.forget(name)

@@ -279,10 +279,7 @@ class JobWatchers:
             current = await self._store.get(record.submission_id, record.run_id)
         except JobNotFoundError:
             return False
-        if current.status is not JobStatus.PENDING:
-            return False
-        log_path = job_log_path(self._log_dir, record.submission_id)
-        return not await asyncio.to_thread(log_path.exists)
+        return current.status is JobStatus.PENDING and not await self._launcher.has_log(record)
 
     async def _died_message(self, record: JobRecord, error: ActorDiedError) -> str:
         """Name the lost node when the supervisor died with it, else say what Ray says."""
