@@ -258,7 +258,8 @@ async def test_a_stop_racing_the_dispatch_stops_the_job_and_frees_its_slot(
         queue, dispatcher, launcher = manager._queue, manager._dispatcher, manager._launcher
         await manager.submit_job(spec("blocker", gate(tmp_path / "go")))
         await until_status(manager, "blocker", {JobStatus.RUNNING})
-        await manager.submit_job(spec("queued", f"echo ran > {marker}"))
+        # It runs until stopped: a command that ended first would rightly end SUCCEEDED.
+        await manager.submit_job(spec("queued", f"echo ran > {marker} && sleep 300"))
         # The hand-over waits, before its supervisor is asked to run the job, until released.
         released = asyncio.Event()
         supervisor_for = launcher.supervisor_for
