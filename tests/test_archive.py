@@ -291,3 +291,25 @@ async def test_a_status_filter_also_reads_the_live_jobs_named_in_order(
     assert ([job.submission_id for job in jobs], more) == (expected[3:], False)
     streamed = [job.submission_id async for batch in archive.stream(query) for job in batch]
     assert streamed == expected
+
+
+async def test_counts_come_with_the_unfinished_records_of_the_jobs_named(
+    archive: Archive,
+) -> None:
+    """What `/metrics` reads: every count, and of the jobs named (more than one statement
+    binds) only the unfinished ones of the tenant asked for."""
+    jobs = [record(f"job-{index:04d}").model_copy(update={"tenant": "a"}) for index in range(1200)]
+    jobs += [record("other").model_copy(update={"tenant": "b"})]
+    await archive.insert_many(jobs)
+    for job in jobs[:100]:
+        await archive.update(job.with_changes(status=JobStatus.SUCCEEDED, end_time=2_000))
+    named = frozenset({f"job-{index:04d}" for index in range(0, 1200, 2)} | {"other", "gone"})
+
+    counts, unfinished = await archive.counts_and_unfinished_of("a", named)
+    assert counts == {"a": {JobStatus.SUCCEEDED: 100, JobStatus.PENDING: 1100}}
+    assert sorted(job.submission_id for job in unfinished) == [
+        f"job-{index:04d}" for index in range(100, 1200, 2)
+    ]
+    counts, unfinished = await archive.counts_and_unfinished_of(None, named)
+    assert counts["b"] == {JobStatus.PENDING: 1}
+    assert len(unfinished) == 551

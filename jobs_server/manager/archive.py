@@ -352,6 +352,13 @@ class Archive:
         the tenant index, no record read."""
         return await self._read(queries.count_by_tenant, tenant)
 
+    async def counts_and_unfinished_of(
+        self, tenant: str | None, ids: frozenset[str]
+    ) -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
+        """`count_by_tenant`, and the unfinished records of the jobs `ids` (of `tenant` only,
+        if given), from one snapshot: only those records are read."""
+        return await self._read(queries.counts_and_unfinished_of, tenant, ids)
+
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
         return await self._read(queries.unfinished_jobs)

@@ -15,6 +15,8 @@ from jobs_server.manager.records import JobRecord, JobStatus
 STREAM_BATCH_ROWS = 500
 # Live jobs read by id beside a status filter, at most (SQLite binds up to 32,766 values).
 MAX_LIVE_IDS = 10_000
+# Ids bound in one statement where a read takes any number of them in chunks.
+_IDS_PER_STATEMENT = 500
 
 _TERMINAL = tuple(status.value for status in JobStatus if status.is_terminal())
 # Named, not "NOT IN terminal": only an IN list uses the status index (a full scan of a long
@@ -63,6 +65,33 @@ def count_by_tenant(db: sqlite3.Connection, tenant: str | None) -> dict[str, dic
     for row_tenant, status, count in db.execute(sql + " GROUP BY tenant, status", parameters):
         counts.setdefault(row_tenant, {})[JobStatus(status)] = count
     return counts
+
+
+def counts_and_unfinished_of(
+    db: sqlite3.Connection, tenant: str | None, ids: frozenset[str]
+) -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
+    """`count_by_tenant`, and the unfinished records of `ids` (of `tenant`, if given), read
+    from one snapshot: a job the archive learns about meanwhile is not counted twice."""
+    db.execute("BEGIN")
+    try:
+        counts = count_by_tenant(db, tenant)
+        records = []
+        ordered = sorted(ids)
+        for start in range(0, len(ordered), _IDS_PER_STATEMENT):
+            chunk = ordered[start : start + _IDS_PER_STATEMENT]
+            sql = (
+                f"SELECT record FROM jobs WHERE submission_id IN ({', '.join('?' * len(chunk))})"
+                f" AND status IN ({', '.join('?' * len(_UNFINISHED))})"
+            )
+            parameters: list[Any] = [*chunk, *_UNFINISHED]
+            if tenant is not None:
+                sql, parameters = sql + " AND tenant = ?", [*parameters, tenant]
+            records += [
+                JobRecord.model_validate_json(text) for (text,) in db.execute(sql, parameters)
+            ]
+    finally:
+        db.execute("COMMIT")  # a read: nothing to write
+    return counts, records
 
 
 def unfinished_jobs(db: sqlite3.Connection) -> list[JobRecord]:

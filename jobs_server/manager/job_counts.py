@@ -4,7 +4,6 @@ finished record."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Container
 
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.records import JobStatus
@@ -16,17 +15,14 @@ Counts = dict[str, dict[JobStatus, int]]
 
 
 async def count_jobs_by_tenant(
-    archive: Archive, store: JobStore, tenant: str | None, *, queued: Container[str] = ()
+    archive: Archive, store: JobStore, tenant: str | None, *, live_ids: frozenset[str]
 ) -> Counts:
     """The archive's counts (of `tenant` only, if given), with the live jobs as the KV has them
     now (the archive learns a status a moment after the KV: this is what a list would show).
-    `queued` jobs are not in the KV: they count as archived (PENDING)."""
-    counts = await archive.count_by_tenant(tenant)
-    unfinished = [
-        record
-        for record in await archive.unfinished()
-        if (tenant is None or record.tenant == tenant) and record.submission_id not in queued
-    ]
+    Only the live jobs' records are read (those handed to a supervisor, and the ends a full
+    disk keeps from the archive): a queued job is PENDING in both, and a deep queue holds
+    thousands."""
+    counts, unfinished = await archive.counts_and_unfinished_of(tenant, live_ids)
     if not unfinished:
         return counts
     try:

@@ -146,7 +146,7 @@ class JobManager:
             store=self._store,
             queue=self._queue,
             cluster_resources=self._cluster_resources,
-            live_ids=lambda: self._watchers.watched_ids() | self._ends.waiting_ids(),
+            live_ids=self._live_ids,
         )
         self._stopper = JobStopper(
             store=self._store,
@@ -294,7 +294,13 @@ class JobManager:
     ) -> dict[str, dict[JobStatus, int]]:
         """How many jobs of each status by tenant (only `tenant`, if given); no finished
         record is read."""
-        return await count_jobs_by_tenant(self._archive, self._store, tenant, queued=self._queue)
+        return await count_jobs_by_tenant(
+            self._archive, self._store, tenant, live_ids=self._live_ids()
+        )
+
+    def _live_ids(self) -> frozenset[str]:
+        # Whose status the KV may know first: the watched, and the ends a full disk holds back.
+        return self._watchers.watched_ids() | self._ends.waiting_ids()
 
     def queue_occupancy(self) -> dict[str, tuple[int, int]]:
         """(jobs queued, jobs holding a running slot) by tenant: the metrics' queue gauges."""
