@@ -4,6 +4,7 @@ uploads are refused with 507, healthz stays 200 and says so, running jobs go on.
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import os
 import sqlite3
@@ -38,6 +39,7 @@ SMALL_DISK_BYTES = 16 * 1024 * 1024
 MIN_FREE_BYTES = 4 * 1024 * 1024
 # What the filler file leaves free: below the threshold, above nothing.
 LEFT_FREE_BYTES = 1024 * 1024
+FILL_TRIES = 50
 
 
 @pytest.fixture
@@ -57,13 +59,24 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 
 
 def fill(disk: Path, leave_free_bytes: int) -> Path:
-    """A file that takes all of `disk`'s free space but `leave_free_bytes`."""
-    stats = os.statvfs(disk)
+    """A file that takes all of `disk`'s free space but `leave_free_bytes`. A server may write
+    to the disk meanwhile: what it took between reading the free space and taking it is left
+    out on the next try."""
     filler = disk / "filler"
-    size = stats.f_bavail * stats.f_frsize - leave_free_bytes
-    with filler.open("wb") as file:
-        os.posix_fallocate(file.fileno(), 0, size)
-    return filler
+    with filler.open("ab") as file:
+        for _ in range(FILL_TRIES):
+            stats = os.statvfs(disk)
+            size = stats.f_bavail * stats.f_frsize - leave_free_bytes
+            if size <= 0:
+                return filler
+            try:
+                os.posix_fallocate(file.fileno(), os.fstat(file.fileno()).st_size, size)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                continue
+            return filler
+    raise AssertionError(f"{disk} kept changing: could not take its free space")
 
 
 def tiny_zip() -> bytes:
