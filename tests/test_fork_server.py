@@ -74,7 +74,7 @@ async def test_a_forked_job_ends_exactly_as_its_command(
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
-async def test_a_forked_job_runs_with_its_own_environment_and_session(
+async def test_a_forked_job_runs_with_its_own_environment_and_process_group(
     forks: ForkServer, tmp_path: Path, containment: Containment
 ) -> None:
     log_path = tmp_path / "job.log"
@@ -87,13 +87,51 @@ async def test_a_forked_job_runs_with_its_own_environment_and_session(
     try:
         await wait_until(lambda: log_path.read_bytes(), "the job wrote nothing")
         assert log_path.read_text() == "own-env yes\n"
-        assert os.getsid(process.pid) == process.pid  # a session of its own
+        assert os.getpgid(process.pid) == process.pid  # a process group of its own
         # The supervisor's child (re-parented), as a launcher it starts itself is.
         assert psutil.Process(process.pid).ppid() == os.getpid()
-        assert os.getsid(process.pid) != os.getsid(forks.pid or 0)
+        assert os.getpgid(process.pid) != os.getpgid(forks.pid or 0)
     finally:
         await kill_job_processes("own-env", process.pid, containment=containment)
     assert await process.wait() == -signal.SIGKILL
+
+
+def scheduling_group(pid: int) -> tuple[int, str]:
+    """The session of `pid`, and its autogroup where the kernel has them: the unit the
+    scheduler shares the CPU between when autogroups are on (as on most desktop and cloud
+    kernels), whatever the processes' nice values."""
+    try:
+        autogroup = Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except OSError:
+        autogroup = ""
+    return os.getsid(pid), autogroup
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_the_jobs_share_one_session_so_they_weigh_as_one_against_the_server(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """A session per job is a scheduling group per job where autogroups are on: 50 jobs got 50
+    shares of the CPU against the server's one (and Ray's), and each short job preempted the
+    server as a fresh group. In the fork server's session, every job's process (the launcher,
+    the namespace's init, the command) is in one group."""
+    entrypoint = "sh -c 'sleep 60' & sleep 60"
+    processes = [
+        await forks.spawn(
+            entrypoint, log_path=tmp_path / f"{n}.log", env=job_env(f"job-{n}"), containment=c
+        )
+        for n, c in enumerate([containment, containment])
+    ]
+    try:
+        own = scheduling_group(forks.pid or 0)
+        for process in processes:
+            await wait_until(lambda p=process: len(tree(p.pid)) >= 3, "the job's processes")
+            for member in tree(process.pid):
+                with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                    assert scheduling_group(member.pid) == own, member.cmdline()
+    finally:
+        for n, process in enumerate(processes):
+            await kill_job_processes(f"job-{n}", process.pid, containment=containment)
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
@@ -192,12 +230,13 @@ async def test_escaped_shells_of_a_forked_job_are_found_and_killed(
     assert log_path.read_text() == "ready\n"
 
 
-def test_a_process_in_a_dead_launchers_session_is_found_without_a_marker() -> None:
+def test_a_process_in_a_dead_launchers_group_is_found_without_a_marker() -> None:
     """The init of a namespace whose launcher was killed carries no job marker (a fork server
-    forked it): the scan after the attempt finds it among this process's children by session."""
-    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    forked it): the scan after the attempt finds it among this process's children by its
+    process group."""
+    orphan = subprocess.Popen(["sleep", "60"], process_group=0)
     try:
-        assert find_job_processes("no-such-job", session=orphan.pid) == [orphan.pid]
+        assert find_job_processes("no-such-job", group=orphan.pid) == [orphan.pid]
         assert find_job_processes("no-such-job") == []
     finally:
         orphan.kill()

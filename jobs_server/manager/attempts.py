@@ -196,10 +196,10 @@ class JobAttempts:
             # Whatever the command left behind ends with it, before the attempt's end is
             # recorded or the next attempt starts. In a PID namespace the kernel saw to it
             # (no scan), unless a signal killed the launcher: its init may live on a moment,
-            # re-parented here in the launcher's session.
+            # re-parented here in the launcher's process group.
             if not ended_with_its_namespace(process, containment):
                 await kill_job_processes(
-                    job_token, other_roots=self._host.other_roots(run), session=process.pid
+                    job_token, other_roots=self._host.other_roots(run), group=process.pid
                 )
             run.pid = None
             self._host.reap_orphans()

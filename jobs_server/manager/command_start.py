@@ -57,7 +57,8 @@ async def start_entrypoint(
     containment: Containment,
     fork_server: ForkServer | None = None,
 ) -> CommandProcess:
-    """Run `entrypoint` with `/bin/sh -c` in a new session (in a PID namespace of its own if
+    """Run `entrypoint` with `/bin/sh -c` in a process group of its own (in the fork server's
+    session, or a new one for a launcher started here; in a PID namespace of its own if
     `containment` says so); stdout and stderr go to the log. Return once the command runs.
 
     Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start

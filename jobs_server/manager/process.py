@@ -52,14 +52,15 @@ def find_job_processes(
     root_pid: int | None = None,
     *,
     other_roots: frozenset[int] = frozenset(),
-    session: int | None = None,
+    group: int | None = None,
 ) -> list[int]:
     """Every live process of a job: the command's descendants, and the orphans it left. Each
     parent comes before its children, the order to signal them in (see `signal_job_processes`).
 
     Orphans are re-parented to this process (a subreaper), so they are found among its own
-    children by the job's marker, or as members of `session` (the init of a namespace whose
-    launcher died is in the launcher's session, and has no marker if a fork server forked it).
+    children by the job's marker, or as members of the process group `group` (the init of a
+    namespace whose launcher died is in the launcher's group, and has no marker if a fork server
+    forked it).
     Only the job's processes and
     this process's children are read, less `other_roots` (the commands of this supervisor's
     other jobs): stopping fifty jobs at once costs no fifty scans of every process on the node.
@@ -72,7 +73,7 @@ def find_job_processes(
         if (
             child not in found
             and child not in other_roots
-            and (_environ_has(child, marker) or _in_session(child, session))
+            and (_environ_has(child, marker) or _in_group(child, group))
         ):
             found.update(dict.fromkeys(_tree(child)))
     return [pid for pid in found if _is_alive(pid)]
@@ -134,9 +135,9 @@ def _environ_has(pid: int, marker: bytes) -> bool:
         return False
 
 
-def _in_session(pid: int, session: int | None) -> bool:
+def _in_group(pid: int, group: int | None) -> bool:
     try:
-        return session is not None and os.getsid(pid) == session
+        return group is not None and os.getpgid(pid) == group
     except OSError:
         return False
 
@@ -158,7 +159,7 @@ def signal_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
-    session: int | None = None,
+    group: int | None = None,
 ) -> int:
     """Send `sig` to every process of the job at once; return how many were signalled.
 
@@ -166,8 +167,8 @@ def signal_job_processes(
     next command. In a PID namespace, the launcher (`root_pid`) passes the signal to the
     namespace's init, which sends it to the whole namespace in one call (SIGKILL to the
     launcher's group, itself and the init, ends the namespace). Without one, the command's
-    process group first (one call, the processes a shell waits for), then its session and
-    every other process it owns.
+    process group first (one call, the processes a shell waits for), then every other process
+    it owns.
 
     What is signalled one by one goes parents first: a process that has a SIGKILL pending runs
     no more code, so no shell is left to see its child die (the supervisor may be preempted
@@ -178,10 +179,10 @@ def signal_job_processes(
         with contextlib.suppress(ProcessLookupError):
             os.kill(root, sig)
         return 1  # its namespace holds every other process of it
-    found = find_job_processes(job_token, root_pid, other_roots=other_roots, session=session)
+    found = find_job_processes(job_token, root_pid, other_roots=other_roots, group=group)
     if root is not None:
         with contextlib.suppress(ProcessLookupError):
-            # The command runs in a session of its own: its group id is its pid.
+            # The command leads a process group of its own: its group id is its pid.
             os.killpg(root, sig)
     for pid in found:
         if root is None or _group_of(pid) != root:  # else signalled with its group
@@ -203,7 +204,7 @@ async def kill_job_processes(
     *,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
-    session: int | None = None,
+    group: int | None = None,
 ) -> None:
     """SIGKILL the job's processes until none is left (a forking process may add one meanwhile)."""
     for _ in range(_KILL_ROUNDS):
@@ -213,7 +214,7 @@ async def kill_job_processes(
             root_pid,
             containment=containment,
             other_roots=other_roots,
-            session=session,
+            group=group,
         )
         if killed == 0:
             return

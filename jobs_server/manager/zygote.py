@@ -20,9 +20,10 @@ environment. It answers on its stdout, a line each:
     failed <job> <reason>    it could not start (the log would not open, no shell to exec)
 
 It dies with the supervisor (its parent-death signal, armed then checked, and EOF on its stdin).
-It is in a session of its own (a stop of a job never reaches it). Like the jobs' processes, it
-carries the supervisor's marker (and so do the launchers it forks, whose environment is its
-own): the guardian kills them all if the supervisor dies.
+It is in a session of its own, which the jobs it forks share, each in a process group of its
+own (a stop of a job never reaches it; containment.py says why not a session per job). Like the
+jobs' processes, it carries the supervisor's marker (and so do the launchers it forks, whose
+environment is its own): the guardian kills them all if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ def become_launcher(containment, shell, entrypoint, log, started_w, env):
     # Keeps nothing of the fork server.
     for fd in (poller.fileno(), *starting):
         os.close(fd)
-    os.setsid()
+    # A process group of its own (a stop signals it), in this session: a session per job is a
+    # scheduling group per job where the kernel has autogroups (see containment.py).
+    os.setpgid(0, 0)
     os.dup2(devnull, 0)  # over the request pipe
     os.dup2(log, 1)  # over the report pipe
     os.dup2(log, 2)
