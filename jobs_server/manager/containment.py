@@ -26,9 +26,9 @@ fork server instead, zygote.py, which runs the same `LAUNCH_SOURCE`):
 One scheduling group: the jobs of a fork server (zygote.py) stay in its session, each in a
 process group of its own, where a stop finds them. Where the kernel has autogroups (most desktop
 and cloud kernels), the scheduler shares the CPU between sessions before processes: a session
-per job made 50 running jobs weigh 50 times the server (and Ray's processes), and every short
-job preempted the server as a fresh group (POST p99 in the queue benchmark 395 ms, against 172
-ms in one session). Like the fork server's session, none has a controlling terminal.
+per job made 20 busy jobs weigh 20 times the server (and Ray's processes), and every short job
+preempted the server as a fresh group (`benchmarks/busy_head.py`: GET p99 73-77 ms with a
+session per job, 5-7 ms in one). Like the fork server's session, none has a controlling terminal.
 
 The job keeps the node's /proc (no mount namespace): Ray's drivers look for their node's raylet
 there. So `$$` in a job is the namespace's pid, while `/proc/$$` is the node's process of that
