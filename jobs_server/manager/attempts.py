@@ -190,6 +190,8 @@ class JobAttempts:
                 run.stop_requested.set()
                 await ending
                 return record
+            if record is not None and len(self._attempts) == 1 and run.on_start_written:
+                run.on_start_written(record)
             end = await ending
         finally:
             ending.cancel()

@@ -58,11 +58,15 @@ class JobHistory:
             return None
         return await self._archive.update(current)
 
-    async def learn_started(self, record: JobRecord) -> None:
+    async def learn_started(self, record: JobRecord, *, written: JobRecord | None = None) -> None:
         """The command began (RUNNING): archive it, best effort (its end will be archived in
-        any case, and the end is what matters)."""
+        any case, and the end is what matters). `written`: the start as its supervisor wrote
+        it, if it said (archived without reading the KV)."""
         try:
-            await self.learn(record)
+            if written is not None and written.run_id == record.run_id:
+                await self._archive.update(written)
+            else:
+                await self.learn(record)
         except Exception:
             logger.warning(
                 "archiving the start of job %s failed", record.submission_id, exc_info=True

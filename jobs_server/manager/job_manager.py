@@ -207,6 +207,7 @@ class JobManager:
             await self._stopper.stop_all_jobs(self._stop_jobs_on_close_s)
         await self._ends.close()
         await self._watchers.close()
+        await self._launcher.close()
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at

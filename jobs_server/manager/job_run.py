@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,8 @@ class JobRun:
     """The command is being started, or was: from then on, calling the job off stops it."""
     called_off: bool = False
     """Stopped before its start began: the command never starts."""
+    on_start_written: Callable[[JobRecord], None] | None = None
+    """Told the record once the job's start (RUNNING) is written, if it is before its end."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from jobs_server.manager.job_run import SupervisedJob
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
+from jobs_server.manager.run_batches import RunBatches
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 
 # A shared supervisor writes a job's start once its command has run this long, or with its end if
@@ -23,10 +24,14 @@ SHARED_START_RECORD_DELAY_S = 0.1
 
 @dataclass(frozen=True)
 class Launch:
-    """A supervisor that was handed a job, and the ObjectRef of the job's end."""
+    """A supervisor that was handed a job, and the job's end to come: `run_job`'s ObjectRef,
+    or a future that answers as it would (run_batches.py)."""
 
     supervisor: Any
     finished: Any
+    started: asyncio.Future[dict[str, Any] | None] | None = None
+    """Handed over in a batch: the job's start as its supervisor wrote it, or None if it ended
+    first (then no `wait_started` call is needed)."""
 
 
 class Launcher:
@@ -46,6 +51,11 @@ class Launcher:
         self._stop_grace_s = stop_grace_s
         self._head_node_id = head_node_id
         self._retry_backoff_s = retry_backoff_s
+        self._run_batches = RunBatches()
+
+    async def close(self) -> None:
+        """Stop asking the shared supervisors for ends (the jobs run on)."""
+        await self._run_batches.close()
 
     async def launch(self, record: JobRecord) -> Launch:
         """Create (or find) the record's supervisor and ask it to run the job."""
@@ -62,8 +72,13 @@ class Launcher:
         return await asyncio.to_thread(self._supervisors.create, name, record.spec)
 
     def start(self, record: JobRecord, supervisor: Any) -> Launch:
-        """Ask `supervisor` to run the job (no await: a caller can decide and start at once)."""
-        return Launch(supervisor, supervisor.run_job.remote(self.supervised_job(record)))
+        """Ask `supervisor` to run the job (no await: a caller can decide and start at once).
+        A shared supervisor gets it with the others of this moment, in one call."""
+        job_fields = self.supervised_job(record)
+        if is_dedicated(record.supervisor_name or ""):
+            return Launch(supervisor, supervisor.run_job.remote(job_fields))
+        batched = self._run_batches.run(supervisor, job_fields)
+        return Launch(supervisor, batched.finished, batched.started)
 
     def log_path(self, record: JobRecord) -> Path:
         """The job's log on the head; a command that began has created it."""

@@ -49,10 +49,12 @@ class Backoff:
         self.delay_s = min(self.delay_s * 2, WATCH_RETRY_MAX_S)
 
 
-def future_of(object_ref: Any) -> asyncio.Future[Any]:
-    """The answer of a supervisor call as a future of this loop (awaited, and checked for
-    being done, without asking Ray again)."""
-    return asyncio.wrap_future(object_ref.future())
+def future_of(answer: Any) -> asyncio.Future[Any]:
+    """The answer of a supervisor call (an ObjectRef, or already a future: run_batches.py) as
+    a future of this loop (awaited, and checked for being done, without asking Ray again)."""
+    if isinstance(answer, asyncio.Future):
+        return answer
+    return asyncio.wrap_future(answer.future())
 
 
 async def ends_at_once(record: JobRecord, finished: asyncio.Future[Any]) -> bool:

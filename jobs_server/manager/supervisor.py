@@ -38,7 +38,14 @@ from jobs_server.manager.job_run import (
 from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import read_spool_chunk, spool_path
 from jobs_server.manager.process import become_child_subreaper, reap_orphans
-from jobs_server.manager.records import JobStatus
+from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.manager.run_reports import (
+    ENDED,
+    STARTED,
+    RunFailedError,
+    RunReport,
+    RunReports,
+)
 from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -58,6 +65,10 @@ class JobSupervisor:
         # Runs called off before `run_job` brought them (submission id: run id): never started.
         self._called_off: dict[str, str] = {}
         self._supervisor_token = secrets.token_hex(16)
+        # The starts and ends of the runs handed over by `run_jobs`, until the server takes them.
+        self._run_reports = RunReports(incarnation=self._supervisor_token)
+        # The tasks reporting those runs' ends (a task nobody holds may be collected).
+        self._reporting: set[asyncio.Task[None]] = set()
         self._guardian: subprocess.Popen[bytes] | None = None
         self._containment: Containment | None = None
         self._fork_server: ForkServer | None = None
@@ -84,7 +95,41 @@ class JobSupervisor:
         deleted before it could start."""
         # A plain dict crosses the actor boundary: pickling the model's class by value on every
         # call would cost more than the rest of the submission.
-        job = SupervisedJob.model_validate(job_fields)
+        return _answer(await self._run(SupervisedJob.model_validate(job_fields)))
+
+    async def run_jobs(self, jobs_fields: list[dict[str, Any]]) -> None:
+        """Start each job as `run_job` does, and return at once: their starts and ends are
+        given by `run_reports` (run_reports.py: one call for many jobs, each way)."""
+        for job_fields in jobs_fields:
+            job = SupervisedJob.model_validate(job_fields)
+            reporting = asyncio.create_task(self._run_and_report(job))
+            self._reporting.add(reporting)
+            reporting.add_done_callback(self._reporting.discard)
+
+    async def run_reports(
+        self, incarnation: str | None, after: int
+    ) -> tuple[str, int, list[RunReport]]:
+        """The starts and ends of runs handed over by `run_jobs` that the caller has not had:
+        past `after` in this supervisor's numbering (`incarnation`, as the last answer gave it;
+        None at first). Waits a while for one; see `RunReports.take`."""
+        return await self._run_reports.take(incarnation, after)
+
+    async def _run_and_report(self, job: SupervisedJob) -> None:
+        try:
+            answer: Any = _answer(await self._run(job, report_start=True))
+        except Exception as error:  # the caller learns it as it would from `run_job`
+            logger.exception("job %s failed in its supervisor", job.submission_id)
+            answer = RunFailedError(f"{type(error).__name__}: {error}")
+        self._run_reports.add((job.submission_id, job.run_id, ENDED, answer))
+
+    def _report_start(self, record: JobRecord) -> None:
+        self._run_reports.add(
+            (record.submission_id, record.run_id, STARTED, record.model_dump(mode="json"))
+        )
+
+    async def _run(self, job: SupervisedJob, *, report_start: bool = False) -> JobRecord | None:
+        """Start the job unless it has started; its record as it ended (None: deleted before
+        it could start). `report_start`: its start, once written, goes to `run_reports`."""
         run = self._runs.get(job.submission_id)
         if run is not None and run.job.run_id != job.run_id and run.task is not None:
             # An earlier run of a deleted and resubmitted id is ending: this one starts after.
@@ -99,11 +144,11 @@ class JobSupervisor:
             arrival = self._arrivals.pop(job.submission_id, None)
             if arrival is not None:
                 arrival.set()
+        if report_start and run.on_start_written is None:
+            run.on_start_written = self._report_start
         assert run.task is not None
         # A caller that goes away (a restarting server) must not cancel the job itself.
-        ended = await asyncio.shield(run.task)
-        # Plain fields back, as in: no model class pickled by value.
-        return JobStatus.STOPPED if ended is None else ended.model_dump(mode="json")
+        return await asyncio.shield(run.task)
 
     async def wait_job(self, submission_id: str, run_id: str | None = None) -> JobStatus | None:
         """The terminal status of a job this supervisor runs or ran (for a restarted server);
@@ -265,3 +310,9 @@ class JobSupervisor:
     def _running_pids(self) -> set[int]:
         """Command pids that asyncio still waits for; reaping them here would steal their status."""
         return {run.pid for run in self._runs.values() if run.pid is not None}
+
+
+def _answer(ended: JobRecord | None) -> dict[str, Any] | JobStatus:
+    """A run's end for the server: plain fields (no model class pickled by value), or STOPPED
+    if it was deleted before it could start."""
+    return JobStatus.STOPPED if ended is None else ended.model_dump(mode="json")

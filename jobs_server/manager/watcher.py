@@ -139,11 +139,11 @@ class JobWatchers:
         """Wait for the run to end: its supervisor recorded the end (the record it ended with,
         if the supervisor said; else None), or the failure to record. Errors are logged and
         retried; only cancellation ends it early."""
-        supervisor, finished = launch.supervisor, launch.finished
+        supervisor, finished, started = launch.supervisor, launch.finished, launch.started
         backoff = Backoff()
         while True:
             try:
-                return await self._follow_run(record, supervisor, finished)
+                return await self._follow_run(record, supervisor, finished, started)
             except Exception:
                 logger.warning(
                     "watching job %s failed; trying again in %.1f s",
@@ -160,7 +160,7 @@ class JobWatchers:
             if not isinstance(reattached, tuple):
                 return reattached
             record, supervisor = reattached
-            finished = None
+            finished = started = None
 
     async def _reattach(self, record: JobRecord) -> tuple[JobRecord, Any] | JobFailure | None:
         """After an error: the run's record and supervisor now, or how it ended (None: it has
@@ -182,16 +182,23 @@ class JobWatchers:
         return record, supervisor
 
     async def _follow_run(
-        self, record: JobRecord, supervisor: Any, finished: Any | None
+        self,
+        record: JobRecord,
+        supervisor: Any,
+        finished: Any | None,
+        started: asyncio.Future[dict[str, Any] | None] | None = None,
     ) -> JobFailure | JobRecord | None:
         """Wait for the command to start and end, pulling its log if it runs on another node;
-        the failure its supervisor cannot report, if any."""
+        the failure its supervisor cannot report, if any. `started`: the start its supervisor
+        reports, for a job handed over in a batch (run_batches.py)."""
         log_pull: asyncio.Task[None] | None = None
         try:
             try:
                 if finished is not None:
                     finished = future_of(finished)
-                if finished is None or not await ends_at_once(record, finished):
+                if finished is not None and started is not None:
+                    await self._learn_reported_start(record, started, finished)
+                elif finished is None or not await ends_at_once(record, finished):
                     log_pull = await self._wait_until_started(record, supervisor)
                     if finished is None:
                         finished = future_of(
@@ -235,7 +242,35 @@ class JobWatchers:
         logger.info("job %s reached a dead shared supervisor; retrying", record.submission_id)
         self._supervisors.forget(record.supervisor_name or "")
         launch = await self._launcher.launch(record)
-        return await self._follow_run(record, launch.supervisor, launch.finished)
+        return await self._follow_run(record, launch.supervisor, launch.finished, launch.started)
+
+    async def _learn_reported_start(
+        self,
+        record: JobRecord,
+        started: asyncio.Future[dict[str, Any] | None],
+        finished: asyncio.Future[Any],
+    ) -> None:
+        """Wait for the start its supervisor reports (once written: a short job has none) or
+        the run's end, at most what is left of the start timeout; archive the start if it
+        came first. No call to the supervisor, no read of the KV."""
+        waits: set[asyncio.Future[Any]] = {started, finished}
+        done, _ = await asyncio.wait(
+            waits, timeout=self._start_time_left_s(record), return_when=asyncio.FIRST_COMPLETED
+        )
+        if not done:
+            raise JobStartTimeoutError(await self._start_timeout_message(record.spec))
+        written = started.result() if started.done() else None
+        if written is not None and not finished.done():
+            await self._history.learn_started(record, written=JobRecord.model_validate(written))
+
+    def _start_time_left_s(self, record: JobRecord) -> float | None:
+        """What is left of a PENDING run's start timeout, counted from its hand-over (None:
+        it has started)."""
+        if record.status is not JobStatus.PENDING:
+            return None
+        since_ms = record.handed_over_time or record.start_time or now_ms()
+        waited_s = (now_ms() - since_ms) / 1000
+        return max(0.0, self._job_start_timeout_s - waited_s)
 
     async def _wait_until_started(
         self, record: JobRecord, supervisor: Any
@@ -243,10 +278,8 @@ class JobWatchers:
         """Wait for the command to start, at most what is left of the start timeout; return the
         task pulling its log if it runs on another node."""
         started = supervisor.wait_started.remote(record.submission_id)
-        if record.status is JobStatus.PENDING:
-            since_ms = record.handed_over_time or record.start_time or now_ms()
-            waited_s = (now_ms() - since_ms) / 1000
-            remaining_s = max(0.0, self._job_start_timeout_s - waited_s)
+        remaining_s = self._start_time_left_s(record)
+        if remaining_s is not None:
             try:
                 log_is_spooled = await asyncio.wait_for(started, timeout=remaining_s)
             except TimeoutError:
