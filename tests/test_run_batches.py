@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from ray.exceptions import ActorUnavailableError
 
 from jobs_server.manager import run_batches
+from jobs_server.manager.archive import Archive
 from jobs_server.manager.events import JobEventType
 from jobs_server.manager.records import JobSpec, JobStatus
 from jobs_server.manager.run_reports import ENDED, STARTED, RunReports
@@ -64,13 +66,13 @@ async def test_a_burst_is_handed_over_and_reported_in_fewer_calls_than_jobs(
         return send_batch(self, batch)
 
     monkeypatch.setattr(run_batches.SupervisorRuns, "_send_batch", counting)
-    async with running_manager(ray_connection, "batches_burst", tmp_path) as (manager, _):
+    async with running_manager(ray_connection, "batches_burst", tmp_path) as (manager, archive):
         records = await asyncio.gather(
             *(manager.submit_job(_spec(f"echo {index}")) for index in range(60))
         )
         ids = [record.submission_id for record in records]
         for job_id in ids:
-            await _wait_ended(manager, job_id)
+            await _wait_ended(archive, job_id)
         for index, job_id in enumerate(ids):
             assert (await manager.get_job(job_id)).status is JobStatus.SUCCEEDED
             assert (tmp_path / "logs" / f"job-driver-{job_id}.log").read_text() == f"{index}\n"
@@ -98,7 +100,7 @@ async def test_a_short_job_s_start_is_never_archived_a_long_one_s_is_as_its_supe
         short = (await manager.submit_job(_spec("true"))).submission_id
         long = (await manager.submit_job(_spec("sleep 2"))).submission_id
         for job_id in (short, long):
-            await _wait_ended(manager, job_id)
+            await _wait_ended(archive, job_id)
         events = await archive.events_after(0, 1000)
     statuses = {
         job_id: [
@@ -120,12 +122,88 @@ async def test_a_short_job_s_start_is_never_archived_a_long_one_s_is_as_its_supe
     assert asked == []
 
 
-async def _wait_ended(manager: Any, job_id: str, timeout_s: float = 60) -> None:
+async def _wait_ended(archive: Archive, job_id: str, timeout_s: float = 60) -> None:
+    """Until the job's end is archived (the KV has it first)."""
     deadline = time.monotonic() + timeout_s
-    while not (await manager.get_job(job_id)).status.is_terminal():
+    while True:
+        record = await archive.get(job_id)
+        if record is not None and record.status.is_terminal():
+            return
         assert time.monotonic() < deadline, f"job {job_id} did not end"
         await asyncio.sleep(0.05)
 
 
 def _spec(entrypoint: str) -> JobSpec:
     return JobSpec(entrypoint=entrypoint, submission_id=new_submission_id())
+
+
+async def test_a_batch_sent_twice_runs_each_job_once(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As when the supervisor was out of reach as it got the batch, and it is sent again."""
+    send_batch = run_batches.SupervisorRuns._send_batch
+
+    def twice(self: run_batches.SupervisorRuns, batch: list[dict[str, Any]]) -> Any:
+        send_batch(self, batch)
+        return send_batch(self, batch)
+
+    monkeypatch.setattr(run_batches.SupervisorRuns, "_send_batch", twice)
+    async with running_manager(ray_connection, "batches_twice", tmp_path) as (manager, archive):
+        records = await asyncio.gather(
+            *(manager.submit_job(_spec(f"echo {index}; sleep 0.3")) for index in range(10))
+        )
+        for index, record in enumerate(records):
+            await _wait_ended(archive, record.submission_id)
+            ended = await manager.get_job(record.submission_id)
+            assert ended.status is JobStatus.SUCCEEDED, ended
+            log = tmp_path / "logs" / f"job-driver-{record.submission_id}.log"
+            assert log.read_text() == f"{index}\n"
+
+
+async def test_reports_whose_answer_was_lost_come_with_the_next_poll(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every other poll's answer is lost on its way (the call cut off): the next poll, which
+    says it had nothing of it, gets the same starts and ends again."""
+    polls = {"count": 0}
+
+    class LosingHandle:
+        def __init__(self, supervisor: Any) -> None:
+            self._supervisor = supervisor
+            self._actor_id = supervisor._actor_id
+            self.run_jobs = supervisor.run_jobs
+
+        @property
+        def run_reports(self) -> Any:
+            return self
+
+        def remote(self, incarnation: str | None, after: int) -> Any:
+            polls["count"] += 1
+            answer = self._supervisor.run_reports.remote(incarnation, after)
+            if polls["count"] % 2 == 1:
+                return self._lost(answer)
+            return answer
+
+        async def _lost(self, answer: Any) -> Any:
+            await answer
+            raise ActorUnavailableError("injected: the answer was lost", None)
+
+    original_init = run_batches.SupervisorRuns.__init__
+
+    def losing_init(self: run_batches.SupervisorRuns, supervisor: Any) -> None:
+        original_init(self, LosingHandle(supervisor))
+
+    monkeypatch.setattr(run_batches.SupervisorRuns, "__init__", losing_init)
+    monkeypatch.setattr(run_batches, "SUPERVISOR_UNAVAILABLE_RETRY_S", 0.01)
+    async with running_manager(ray_connection, "batches_lost", tmp_path) as (manager, archive):
+        short = [(await manager.submit_job(_spec("true"))).submission_id for _ in range(5)]
+        long = (await manager.submit_job(_spec("sleep 1"))).submission_id
+        for job_id in [*short, long]:
+            await _wait_ended(archive, job_id)
+            assert (await manager.get_job(job_id)).status is JobStatus.SUCCEEDED
+        events = await archive.events_after(0, 1000)
+    assert polls["count"] >= 4, polls
+    assert [event.status for event in events if event.submission_id == long][-2:] == [
+        JobStatus.RUNNING,
+        JobStatus.SUCCEEDED,
+    ]
