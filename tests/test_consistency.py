@@ -373,6 +373,44 @@ async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection:
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
 
 
+async def test_a_supervisor_writing_from_the_record_it_holds_agrees_with_racing_ends(
+    ray_connection: str,
+) -> None:
+    """A supervisor writes from the live record it read as the run began (no read before each
+    write: `update_from`): its RUNNING, then its end, race a stop and a failure on each of 200
+    jobs. Every writer is told the terminal status that stays, and the KV never reads RUNNING
+    after it."""
+    namespace = f"held_{uuid.uuid4().hex[:8]}"
+    supervisor, server, other = (JobStore(GcsKv(ray_connection, namespace)) for _ in range(3))
+
+    async def supervise(submission_id: str) -> JobRecord:
+        held = await supervisor.get(submission_id)
+        running = await supervisor.update_from(held, status=JobStatus.RUNNING, driver_pid=1)
+        return await supervisor.update_from(running, status=JobStatus.SUCCEEDED, message="ok")
+
+    async def race(index: int) -> tuple[list[JobRecord], JobRecord]:
+        spec = JobSpec(entrypoint="true", submission_id=f"held-{index:03d}")
+        await server.create(JobRecord(spec=spec, start_time=now_ms()))
+        written = await asyncio.gather(
+            supervise(spec.submission_id),
+            server.update(spec.submission_id, status=JobStatus.STOPPED, message="stopped"),
+            other.update(spec.submission_id, status=JobStatus.FAILED, message="died"),
+        )
+        return list(written), await JobStore(GcsKv(ray_connection, namespace)).get(
+            spec.submission_id
+        )
+
+    results = await asyncio.gather(*(race(index) for index in range(200)))
+    wrong = [
+        (final.submission_id, [record.status for record in written], final.status)
+        for written, final in results
+        if not final.status.is_terminal() or {record.status for record in written} != {final.status}
+    ]
+    assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
+    # Each of the three won some races: the supervisor's end is not always first or last.
+    assert len({final.status for _, final in results}) >= 2
+
+
 async def test_jobs_created_while_lists_run_are_in_every_later_list(tmp_path: Path) -> None:
     """Item 2, at the archive (the history lists are read from): inserts racing with lists are
     in every list that begins after they were answered."""

@@ -96,6 +96,9 @@ class JobAttempts:
         self._deadline: float | None = None
         # The running attempt's start, until a write of the record carries it.
         self._unwritten_start: dict[str, Any] = {}
+        # The run's live record as this supervisor last read or wrote it: nothing else writes
+        # it once the run is handed over, so a write needs no read first (store.py).
+        self._record: JobRecord | None = None
 
     async def run(self) -> JobRecord | None:
         """Run the job's attempts and return its record as it ended (the end that won in the
@@ -114,6 +117,7 @@ class JobAttempts:
         record = await self._store.get(job.submission_id, job.run_id)
         if record.status.is_terminal() or record.run_id != job.run_id:
             return record
+        self._record = record
         containment = await self._host.prepare_processes()
         if not self._may_start():
             return await self._record_never_started()
@@ -244,8 +248,10 @@ class JobAttempts:
         """Write `changes` to the job's record, with the attempt's start if it is not written
         yet (what `changes` says wins: an end's status and message over RUNNING's)."""
         changes = {**self._unwritten_start, **changes}
-        record = await self._store.update(self._job.submission_id, self._job.run_id, **changes)
+        assert self._record is not None  # read as the run began
+        record = await self._store.update_from(self._record, **changes)
         self._unwritten_start = {}
+        self._record = record
         return record
 
     async def _run_until_end(

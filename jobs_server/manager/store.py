@@ -120,6 +120,13 @@ class JobStore:
         current = await self.get(submission_id, run_id)
         if run_id is not None and current.run_id != run_id:
             raise JobNotFoundError(submission_id)
+        return await self.update_from(current, **changes)
+
+    async def update_from(self, current: JobRecord, **changes: Any) -> JobRecord:
+        """`update`, for a writer that holds the run's live record as it is, with no read
+        first: a run's supervisor, the only writer of its live record once it is handed over
+        (the server writes only ends, which are keys of their own and win over this)."""
+        submission_id = current.submission_id
         if current.status.is_terminal():
             logger.debug(
                 "job %s is already %s; not applying %s", submission_id, current.status, changes
