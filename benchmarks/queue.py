@@ -325,11 +325,12 @@ def render(
     commands = num(capped, "max_commands")
     growth, all_running = num(capped, "rss_growth"), uncapped.get("all_running_s", "not run")
     idle = num(uncapped, "idle_cpu")
+    succeeded = num(capped, "succeeded")  # NaN: the burst was not run (`--only sleepers`)
     rows = [
         (
             f"every job completes ({jobs} `true`, {args.in_flight} in flight, cap {cap})",
             "—",
-            f"{int(num(capped, 'succeeded')):,} SUCCEEDED",
+            f"{succeeded:,.0f} SUCCEEDED" if succeeded == succeeded else "not run",
             "all",
             verdict(num(capped, "succeeded") == args.jobs, num(capped, "succeeded")),
         ),
