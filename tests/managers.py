@@ -29,8 +29,7 @@ async def running_manager(
         event_feed=event_feed,
         log_dir=state_dir / "logs",
         stop_grace_s=0.5,
-        job_start_timeout_s=60,
-        **options,
+        **{"job_start_timeout_s": 60, **options},
     )
     await manager.start()
     try:

@@ -207,3 +207,28 @@ async def test_reports_whose_answer_was_lost_come_with_the_next_poll(
         JobStatus.RUNNING,
         JobStatus.SUCCEEDED,
     ]
+
+
+async def test_a_start_first_written_with_the_wait_to_retry_is_reported(
+    ray_connection: str, tmp_path: Path
+) -> None:
+    """An attempt that fails within 0.1 s has its start written with the wait before its
+    retry: that write is the job's RUNNING, reported like any other start. Unreported, the
+    server would wait for a start past its start timeout (1 s here), and fail a job that runs."""
+    async with running_manager(
+        ray_connection, "batches_retry", tmp_path, job_start_timeout_s=1, retry_backoff_s=2
+    ) as (manager, archive):
+        spec = JobSpec(entrypoint="exit 3", submission_id=new_submission_id(), max_retries=1)
+        job_id = (await manager.submit_job(spec)).submission_id
+        await _wait_ended(archive, job_id)
+        ended = await manager.get_job(job_id)
+        events = await archive.events_after(0, 1000)
+    assert ended.status is JobStatus.FAILED, ended
+    assert ended.error_type == "JOB_ENTRYPOINT_COMMAND_ERROR", ended
+    assert ended.driver_exit_code == 3
+    assert len(ended.attempts) == 2
+    assert [
+        event.status
+        for event in events
+        if event.submission_id == job_id and event.type is JobEventType.STATUS
+    ] == [JobStatus.RUNNING, JobStatus.FAILED]

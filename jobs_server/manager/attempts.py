@@ -99,6 +99,8 @@ class JobAttempts:
         # The run's live record as this supervisor last read or wrote it: nothing else writes
         # it once the run is handed over, so a write needs no read first (store.py).
         self._record: JobRecord | None = None
+        # Whether the job's RUNNING has been written (and told: `JobRun.on_start_written`).
+        self._start_written = False
 
     async def run(self) -> JobRecord | None:
         """Run the job's attempts and return its record as it ended (the end that won in the
@@ -194,8 +196,6 @@ class JobAttempts:
                 run.stop_requested.set()
                 await ending
                 return record
-            if record is not None and len(self._attempts) == 1 and run.on_start_written:
-                run.on_start_written(record)
             end = await ending
         finally:
             ending.cancel()
@@ -252,6 +252,11 @@ class JobAttempts:
         record = await self._store.update_from(self._record, **changes)
         self._unwritten_start = {}
         self._record = record
+        if record.status is JobStatus.RUNNING and not self._start_written:
+            # Written at the attempt's start, or (it ended sooner) with the wait before a retry.
+            self._start_written = True
+            if self._run.on_start_written is not None:
+                self._run.on_start_written(record)
         return record
 
     async def _run_until_end(
