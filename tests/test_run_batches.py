@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from jobs_server.manager import run_batches, run_reports
+from jobs_server.manager import run_batches
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.events import JobEventType
 from jobs_server.manager.records import JobSpec, JobStatus
@@ -44,20 +44,6 @@ async def test_reports_stay_until_a_later_poll_says_it_has_them() -> None:
         3,
         [("c", "r3", ENDED, "STOPPED")],
     )
-
-
-async def test_reports_nobody_took_for_long_are_dropped(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server that died leaves its reports untaken: they go once they are older than any
-    live server's poll could leave them (its successor waits for those runs another way)."""
-    now = [1000.0]
-    monkeypatch.setattr(run_reports.time, "monotonic", lambda: now[0])
-    reports = RunReports(incarnation="this")
-    reports.add(("a", "r1", ENDED, "STOPPED"))
-    now[0] += run_reports.KEEP_S / 2
-    reports.add(("b", "r2", ENDED, "STOPPED"))
-    now[0] += run_reports.KEEP_S / 2 + 1
-    assert await reports.take(None, 0, wait_s=0) == ("this", 2, [("b", "r2", ENDED, "STOPPED")])
-    assert len(reports) == 1
 
 
 async def test_a_poll_waits_for_the_next_report_and_answers_at_once() -> None:

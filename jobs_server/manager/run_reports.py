@@ -14,15 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from typing import Any, Literal
 
 # How long a poll waits for a report before it answers with none (the caller asks again).
 POLL_WAIT_S = 30.0
-# A report is kept at most this long: a server that waits for runs polls at least every
-# POLL_WAIT_S, so one this old was had (and not acknowledged: nothing waited since) or is for a
-# server that is gone (its successor waits for its runs another way: recovery.py).
-KEEP_S = 600.0
 
 STARTED: Literal["started"] = "started"
 ENDED: Literal["ended"] = "ended"
@@ -46,14 +41,13 @@ class RunReports:
         # Names this supervisor's numbering: a poll that names another (a previous supervisor
         # under the same name) starts from the beginning.
         self._incarnation = incarnation
-        # (number, when it was made: monotonic, the report)
-        self._reports: list[tuple[int, float, RunReport]] = []
+        self._reports: list[tuple[int, RunReport]] = []
         self._last = 0
         self._arrived = asyncio.Event()
 
     def add(self, report: RunReport) -> None:
         self._last += 1
-        self._reports.append((self._last, time.monotonic(), report))
+        self._reports.append((self._last, report))
         self._arrived.set()
 
     async def take(
@@ -64,13 +58,9 @@ class RunReports:
         caller has them). Returns this incarnation, the last number given and the reports."""
         if incarnation != self._incarnation:
             after = 0
-        oldest = time.monotonic() - KEEP_S
-        self._reports = [kept for kept in self._reports if kept[0] > after and kept[1] > oldest]
+        self._reports = [(number, report) for number, report in self._reports if number > after]
         if not self._reports:
             self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), timeout=wait_s)
-        return self._incarnation, self._last, [report for _, _, report in self._reports]
-
-    def __len__(self) -> int:
-        return len(self._reports)
+        return self._incarnation, self._last, [report for _, report in self._reports]
