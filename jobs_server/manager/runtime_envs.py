@@ -35,6 +35,8 @@ class PackageRef:
 
 async def validate_runtime_env(runtime_env: dict[str, Any], packages: PackageLookup) -> None:
     """A 400 for what Ray would reject, and for code packages no node could fetch."""
+    if not runtime_env:
+        return  # most jobs: nothing to check, and Ray's own check costs a share of a submit
     refs = package_refs(runtime_env)
     try:
         RuntimeEnv(**runtime_env)
