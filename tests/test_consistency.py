@@ -18,10 +18,11 @@ import pytest
 import ray
 from aiohttp.test_utils import TestClient
 
+from jobs_server.errors import JobNotFoundError
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, now_ms
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
 from tests.conftest import (
     free_port,
@@ -409,6 +410,73 @@ async def test_a_supervisor_writing_from_the_record_it_holds_agrees_with_racing_
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
     # Each of the three won some races: the supervisor's end is not always first or last.
     assert len({final.status for _, final in results}) >= 2
+
+
+async def test_a_slow_forget_never_removes_the_run_created_after_it(ray_connection: str) -> None:
+    """An ended run's forget whose KV delete is slow (the GCS retried) races the job's delete
+    and the same id submitted again: the new run's live record must stay, or its supervisor
+    finds nothing to run."""
+    namespace = f"forget_{uuid.uuid4().hex[:8]}"
+    kv = GcsKv(ray_connection, namespace)
+    server = JobStore(kv)
+    delete = kv.delete
+    held = asyncio.Event()
+
+    async def slow_first_delete(key: str) -> None:
+        if not held.is_set():
+            held.set()
+            await asyncio.sleep(0.5)
+        await delete(key)
+
+    kv.delete = slow_first_delete  # type: ignore[method-assign]
+    spec = JobSpec(entrypoint="true", submission_id="again")
+    old = JobRecord(spec=spec, start_time=now_ms(), run_id=new_run_id())
+    await server.create(old)
+    forget = asyncio.create_task(server.delete(old))
+    await held.wait()
+    await server.delete(old)  # the job's DELETE
+    new = JobRecord(spec=spec, start_time=now_ms(), run_id=new_run_id())
+    await server.create(new)
+    await forget
+    assert (await server.get("again", new.run_id)).run_id == new.run_id
+    # And a forget of the old run that comes after the new one was created leaves it too.
+    await server.delete(old)
+    assert (await server.get("again", new.run_id)).run_id == new.run_id
+
+
+async def test_forgetting_a_run_this_server_created_reads_nothing(ray_connection: str) -> None:
+    """The server created the run's live record, and every later run of the id would be
+    created by it too: a delete needs no read to know the record is this run's."""
+    namespace = f"forget_{uuid.uuid4().hex[:8]}"
+    kv = GcsKv(ray_connection, namespace)
+    server = JobStore(kv)
+    record = JobRecord(spec=JobSpec(entrypoint="true", submission_id="once"), start_time=now_ms())
+    await server.create(record)
+    reads: list[object] = []
+    get, get_many = kv.get, kv.get_many
+
+    async def counted_get(key: str) -> bytes | None:
+        reads.append(key)
+        return await get(key)
+
+    async def counted_get_many(keys: list[str]) -> list[bytes | None]:
+        reads.append(keys)
+        return await get_many(keys)
+
+    kv.get, kv.get_many = counted_get, counted_get_many  # type: ignore[method-assign]
+    await server.delete(record)
+    assert reads == []
+    kv.get, kv.get_many = get, get_many  # type: ignore[method-assign]
+    with pytest.raises(JobNotFoundError):
+        await server.get("once")
+    # A run this store did not create (an earlier server's) is still read first.
+    other = JobStore(GcsKv(ray_connection, namespace))
+    await other.create(record)
+    kv.get = counted_get  # type: ignore[method-assign]
+    await server.delete(record)
+    assert reads == ["job:once"]
+    with pytest.raises(JobNotFoundError):
+        await other.get("once")
 
 
 async def test_jobs_created_while_lists_run_are_in_every_later_list(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ deleted and resubmitted id never sees the old run's end.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -35,18 +36,30 @@ def _end_key(submission_id: str, run_id: str) -> str:
 
 class JobStore:
     """Reads and writes the live records of jobs; the server and every supervisor share one
-    namespace. It keeps nothing in memory: the history is the archive's (manager/archive.py),
+    namespace. It keeps no record in memory: the history is the archive's (manager/archive.py),
     and the KV holds only jobs that have not ended yet (and, briefly, the end of those that
-    just did, until the server has archived it and forgets it here)."""
+    just did, until the server has archived it and forgets it here). It remembers only which
+    run of a job it created last, until that run is deleted."""
 
     def __init__(self, kv: GcsKv) -> None:
         self._kv = kv
+        # The server's store creates every run of its jobs. Per job, the run it created last,
+        # until that run is deleted: a delete of it needs no read to know that the live record
+        # is not a newer run's.
+        self._created_runs: dict[str, str] = {}
+        # Per job, the deletes on their way: a create waits for them, so a slow delete (the
+        # GCS retried) never removes the record of a run created after it.
+        self._deleting: dict[str, set[asyncio.Future[None]]] = {}
 
     async def create(self, record: JobRecord) -> None:
         """Store a new run's live record. The archive decided that the id is free (its row is
         unique); a record left here by an earlier run (a late write after it was forgotten)
         is replaced."""
-        await self._kv.put(_job_key(record.submission_id), _encode(record))
+        submission_id = record.submission_id
+        while self._deleting.get(submission_id):
+            await asyncio.wait(self._deleting[submission_id])
+        self._created_runs[submission_id] = record.run_id
+        await self._kv.put(_job_key(submission_id), _encode(record))
 
     async def get(self, submission_id: str, run_id: str | None = None) -> JobRecord:
         """The job's record, its end (if it has ended) over its live state. `run_id`, if the
@@ -100,11 +113,27 @@ class JobStore:
     async def delete(self, record: JobRecord) -> None:
         """Forget the job's run `record` here: its live record (if it is still this run's) and
         its end. The archive keeps its history."""
-        job_id = record.submission_id
-        live = await self._kv.get(_job_key(job_id))
-        if live is not None and JobRecord.model_validate_json(live).run_id == record.run_id:
-            await self._kv.delete(_job_key(job_id))
-        await self._kv.delete(_end_key(job_id, record.run_id))
+        job_id, run_id = record.submission_id, record.run_id
+        deleting = asyncio.get_running_loop().create_future()
+        self._deleting.setdefault(job_id, set()).add(deleting)
+        try:
+            created = self._created_runs.get(job_id)
+            if created == run_id:
+                del self._created_runs[job_id]
+                # This run's record, or a late write of an older run's: no newer run's.
+                await self._kv.delete(_job_key(job_id))
+            elif created is None:  # a run of an earlier server: the record says whose it is
+                live = await self._kv.get(_job_key(job_id))
+                if live is not None and JobRecord.model_validate_json(live).run_id == run_id:
+                    await self._kv.delete(_job_key(job_id))
+            # Else a newer run was created since: its record stays.
+            await self._kv.delete(_end_key(job_id, run_id))
+        finally:
+            deletes = self._deleting[job_id]
+            deletes.discard(deleting)
+            if not deletes:
+                del self._deleting[job_id]
+            deleting.set_result(None)
 
     async def delete_end(self, record: JobRecord) -> None:
         """Forget the end of the run `record` (its live key may be another run's by now)."""
