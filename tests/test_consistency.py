@@ -459,7 +459,7 @@ async def test_forgetting_a_run_this_server_created_reads_nothing(ray_connection
         reads.append(key)
         return await get(key)
 
-    async def counted_get_many(keys: list[str]) -> list[bytes | None]:
+    async def counted_get_many(keys: list[str]) -> dict[str, bytes]:
         reads.append(keys)
         return await get_many(keys)
 

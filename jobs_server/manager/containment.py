@@ -101,7 +101,7 @@ def launch_in_namespace(shell, entrypoint, started_w, env):
                 os._exit(1)  # the launcher died before the death signal was armed
         except BlockingIOError:
             pass
-        # Spawned (vfork and exec: no copy of this interpreter, about 0.7 ms of CPU less per
+        # Spawned (vfork and exec: no copy of this interpreter, about 1 ms of CPU less per
         # job than a fork), in a process group of its own: not a session, see "One scheduling
         # group" above. What Python ignores, the command must not (`yes | head` ends by
         # SIGPIPE); its mask starts empty. The started pipe's end closes at the exec.
