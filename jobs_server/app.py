@@ -48,6 +48,7 @@ from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
+from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
@@ -178,7 +179,9 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         event_feed.publish(events)
         app[METRICS_KEY].observe_job_events(events)
 
-    archive = Archive(archive_path(settings.state_dir), on_events=on_events)
+    archive = Archive(
+        archive_path(settings.state_dir), on_events=on_events, parse=caching_record_parser()
+    )
     event_feed = EventFeed(archive)
     await archive.open()
     manager = JobManager(

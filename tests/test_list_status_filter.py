@@ -102,3 +102,50 @@ async def test_a_list_of_unfinished_jobs_is_empty_only_once_every_job_has_ended(
     await posting
     statuses = await listed(client, "")
     assert [statuses.get(job_id) for job_id in ids] == ["SUCCEEDED"] * len(ids)
+
+
+async def test_a_polled_list_parses_only_what_changed_since_the_last_poll(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dashboard polls a status-filtered list, which reads every live job from the archive
+    and the KV: a job's text that was parsed before is not parsed again, and one that changed
+    is (the list is never stale)."""
+    gates = [tmp_path / f"gate-{index}" for index in range(3)]
+    jobs = [
+        await submit(client, entrypoint=f"while [ ! -e {gate} ]; do sleep 0.05; done")
+        for gate in gates
+    ]
+    try:
+        for job in jobs:
+            await wait_for_status(client, job, {"RUNNING"})
+        # Until every job's archived row says RUNNING too (the archive learns it a moment
+        # after the KV), a poll may still meet a text it has not seen.
+        archive = client.app[JOB_MANAGER_KEY]._archive
+        for _ in range(200):
+            rows = [await archive.get(job) for job in jobs]
+            if all(row is not None and row.status is JobStatus.RUNNING for row in rows):
+                break
+            await asyncio.sleep(0.05)
+        assert await listed(client, "status=RUNNING") == dict.fromkeys(jobs, "RUNNING")
+
+        parsed: list[str | bytes] = []
+        parse = JobRecord.model_validate_json
+
+        def counting_parse(text: str | bytes, *args: Any, **kwargs: Any) -> JobRecord:
+            parsed.append(text)
+            return parse(text, *args, **kwargs)
+
+        monkeypatch.setattr(JobRecord, "model_validate_json", counting_parse)
+        running = dict.fromkeys(jobs, "RUNNING")
+        for query, expected in (("status=RUNNING", running), ("status=PENDING", {}), ("", running)):
+            assert await listed(client, query) == expected, query
+        assert len(await listed(client, "status=RUNNING&limit=2")) == 2
+        assert parsed == []
+
+        gates[0].touch()
+        await wait_for_status(client, jobs[0], {"SUCCEEDED"})
+        assert await listed(client, "status=RUNNING") == dict.fromkeys(jobs[1:], "RUNNING")
+        assert parsed  # the ended job's new text
+    finally:
+        for gate in gates:
+            gate.touch()

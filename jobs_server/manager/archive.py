@@ -32,7 +32,13 @@ from jobs_server.manager.archive_queries import JobQuery as JobQuery
 from jobs_server.manager.archive_queries import UnknownCursorError as UnknownCursorError
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.group_commit import GroupCommit, rollback
-from jobs_server.manager.records import JobRecord, JobStatus, now_ms
+from jobs_server.manager.records import (
+    JobRecord,
+    JobStatus,
+    RecordParser,
+    now_ms,
+    parse_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +101,12 @@ class Archive:
         *,
         on_events: Callable[[list[JobEvent]], None] | None = None,
         max_events: int = DEFAULT_MAX_EVENTS,
+        parse: RecordParser = parse_record,
     ) -> None:
         self.path = path
+        # What reads texts into records: the server's keeps parses (caching_record_parser),
+        # and its KV reads use it too (a live job's text is the same in both).
+        self.parse_record = parse
         self._on_events = on_events
         self._max_events = max_events
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive")
@@ -341,7 +351,7 @@ class Archive:
         return self._read_db
 
     async def get(self, submission_id: str) -> JobRecord | None:
-        return await self._read(queries.get_job, submission_id)
+        return await self._read(queries.get_job, submission_id, self.parse_record)
 
     async def count_by_status(self) -> dict[JobStatus, int]:
         """How many jobs of each status (one scan of the status index, no record read)."""
@@ -357,7 +367,7 @@ class Archive:
     ) -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
         """`count_by_tenant`, and the unfinished records of the jobs `ids` (of `tenant` only,
         if given), from one snapshot: only those records are read."""
-        return await self._read(queries.counts_and_unfinished_of, tenant, ids)
+        return await self._read(queries.counts_and_unfinished_of, tenant, ids, self.parse_record)
 
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
@@ -368,14 +378,14 @@ class Archive:
     ) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs matching `query` after the job `after` (UnknownCursorError if
         it is not here), and whether more follow."""
-        return await self._read(queries.page_of_jobs, query, after, limit)
+        return await self._read(queries.page_of_jobs, query, after, limit, self.parse_record)
 
     async def window(
         self, query: JobQuery, *, after_seq: int | None, limit: int
     ) -> tuple[list[JobRecord], bool, int | None]:
         """`page` from a position (`seq_of` one job, or the last seq of a window before):
         the jobs, whether more follow, and the last one's position."""
-        return await self._read(queries.window_of_jobs, query, after_seq, limit)
+        return await self._read(queries.window_of_jobs, query, after_seq, limit, self.parse_record)
 
     async def seq_of(self, after: str, tenant: str | None) -> int:
         """The position of the job `after` (UnknownCursorError if it is not here)."""
@@ -393,7 +403,7 @@ class Archive:
             if not rows:
                 return
             after_seq = rows[-1][0]
-            yield [JobRecord.model_validate_json(row[1]) for row in rows]
+            yield [self.parse_record(row[1]) for row in rows]
             if len(rows) < STREAM_BATCH_ROWS:
                 return
 

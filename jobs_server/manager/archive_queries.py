@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.manager.records import JobRecord, JobStatus, RecordParser, parse_record
 
 # Rows read per batch when the whole list is streamed.
 STREAM_BATCH_ROWS = 500
@@ -47,9 +47,11 @@ class UnknownCursorError(Exception):
     """The `after` job of a page is not in the archive."""
 
 
-def get_job(db: sqlite3.Connection, submission_id: str) -> JobRecord | None:
+def get_job(
+    db: sqlite3.Connection, submission_id: str, parse: RecordParser = parse_record
+) -> JobRecord | None:
     row = db.execute("SELECT record FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
-    return None if row is None else JobRecord.model_validate_json(row[0])
+    return None if row is None else parse(row[0])
 
 
 def count_by_status(db: sqlite3.Connection) -> dict[JobStatus, int]:
@@ -68,7 +70,10 @@ def count_by_tenant(db: sqlite3.Connection, tenant: str | None) -> dict[str, dic
 
 
 def counts_and_unfinished_of(
-    db: sqlite3.Connection, tenant: str | None, ids: frozenset[str]
+    db: sqlite3.Connection,
+    tenant: str | None,
+    ids: frozenset[str],
+    parse: RecordParser = parse_record,
 ) -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
     """`count_by_tenant`, and the unfinished records of `ids` (of `tenant`, if given), read
     from one snapshot: a job the archive learns about meanwhile is not counted twice."""
@@ -86,9 +91,7 @@ def counts_and_unfinished_of(
             parameters: list[Any] = [*chunk, *_UNFINISHED]
             if tenant is not None:
                 sql, parameters = sql + " AND tenant = ?", [*parameters, tenant]
-            records += [
-                JobRecord.model_validate_json(text) for (text,) in db.execute(sql, parameters)
-            ]
+            records += [parse(text) for (text,) in db.execute(sql, parameters)]
     finally:
         db.execute("COMMIT")  # a read: nothing to write
     return counts, records
@@ -113,15 +116,23 @@ def seq_of(db: sqlite3.Connection, after: str, tenant: str | None = None) -> int
 
 
 def page_of_jobs(
-    db: sqlite3.Connection, query: JobQuery, after: str | None, limit: int | None
+    db: sqlite3.Connection,
+    query: JobQuery,
+    after: str | None,
+    limit: int | None,
+    parse: RecordParser = parse_record,
 ) -> tuple[list[JobRecord], bool]:
     after_seq = None if after is None else seq_of(db, after, query.tenant)
-    records, more, _ = window_of_jobs(db, query, after_seq, limit)
+    records, more, _ = window_of_jobs(db, query, after_seq, limit, parse)
     return records, more
 
 
 def window_of_jobs(
-    db: sqlite3.Connection, query: JobQuery, after_seq: int | None, limit: int | None
+    db: sqlite3.Connection,
+    query: JobQuery,
+    after_seq: int | None,
+    limit: int | None,
+    parse: RecordParser = parse_record,
 ) -> tuple[list[JobRecord], bool, int | None]:
     """Up to `limit` jobs of `query` after `after_seq`, whether more follow, and the seq of
     the last one (where the next window starts; None if none was read)."""
@@ -129,7 +140,7 @@ def window_of_jobs(
     more = limit is not None and len(rows) > limit
     rows = rows[:limit]
     last_seq = rows[-1][0] if rows else None
-    return [JobRecord.model_validate_json(row[1]) for row in rows], more, last_seq
+    return [parse(row[1]) for row in rows], more, last_seq
 
 
 def batch_of_jobs(

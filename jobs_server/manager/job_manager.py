@@ -92,7 +92,7 @@ class JobManager:
         self._archive = archive
         # The archive's events, fanned out; the archive's `on_events` must be its `publish`.
         self._event_feed = event_feed
-        self._store = JobStore(GcsKv(gcs_address, namespace))
+        self._store = JobStore(GcsKv(gcs_address, namespace), parse=archive.parse_record)
         self._history = JobHistory(store=self._store, archive=archive)
         self._stop_grace_s = stop_grace_s
         # Embedded mode: the jobs cannot outlive the server (its Ray stops with it), so they are

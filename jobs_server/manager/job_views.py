@@ -96,21 +96,28 @@ class JobViews:
         after the KV): one KV round trip per batch, none for a batch of finished jobs."""
         if all(record.status.is_terminal() for record in records):
             return records
+        ids = [record.submission_id for record in records]
         # Queued jobs are not in the KV yet.
         live = [
             record
-            for record in records
-            if not record.status.is_terminal() and record.submission_id not in self._queue
+            for record, job_id in zip(records, ids, strict=True)
+            if not record.status.is_terminal() and job_id not in self._queue
         ]
         try:
             current = await self._store.current(live) if live else {}
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
             current = {}
-        return [
-            await self.with_wait_message(current.get(record.submission_id, record))
-            for record in records
-        ]
+        now = []
+        for record, job_id in zip(records, ids, strict=True):
+            record = current.get(job_id, record)
+            # Only a pending job has a wait to describe (no coroutine for the others).
+            now.append(
+                await self.with_wait_message(record)
+                if record.status is JobStatus.PENDING
+                else record
+            )
+        return now
 
     async def with_wait_message(self, record: JobRecord) -> JobRecord:
         """A queued job says its place and the cap it waits behind; a pending job handed over

@@ -18,7 +18,13 @@ from typing import Any
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.records import JobRecord, JobStatus, now_ms
+from jobs_server.manager.records import (
+    JobRecord,
+    JobStatus,
+    RecordParser,
+    now_ms,
+    parse_record,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +47,10 @@ class JobStore:
     just did, until the server has archived it and forgets it here). It remembers only which
     run of a job it created last, until that run is deleted."""
 
-    def __init__(self, kv: GcsKv) -> None:
+    def __init__(self, kv: GcsKv, *, parse: RecordParser = parse_record) -> None:
         self._kv = kv
+        # The server's store keeps parses (caching_record_parser); a supervisor's need not.
+        self._parse = parse
         # The server's store creates every run of its jobs. Per job, the run it created last,
         # until that run is deleted: a delete of it needs no read to know that the live record
         # is not a newer run's.
@@ -50,6 +58,10 @@ class JobStore:
         # Per job, the deletes on their way: a create waits for them, so a slow delete (the
         # GCS retried) never removes the record of a run created after it.
         self._deleting: dict[str, set[asyncio.Future[None]]] = {}
+
+    def _overlay(self, live: JobRecord, end: bytes | None) -> JobRecord:
+        """The record as it is: its end, if it has one, else its live state."""
+        return live if end is None else self._parse(end)
 
     async def create(self, record: JobRecord) -> None:
         """Store a new run's live record. The archive decided that the id is free (its row is
@@ -68,38 +80,37 @@ class JobStore:
             live = await self._kv.get(_job_key(submission_id))
             if live is None:
                 raise JobNotFoundError(submission_id)
-            return await self._with_end(JobRecord.model_validate_json(live))
+            return await self._with_end(self._parse(live))
         # One round trip: the live record and the end of the run named.
         values = await self._kv.get_many([_job_key(submission_id), _end_key(submission_id, run_id)])
         live = values.get(_job_key(submission_id))
         if live is None:
             raise JobNotFoundError(submission_id)
-        record = JobRecord.model_validate_json(live)
+        record = self._parse(live)
         if record.run_id != run_id:
             return await self._with_end(record)
-        return _overlay(record, values.get(_end_key(submission_id, run_id)))
+        return self._overlay(record, values.get(_end_key(submission_id, run_id)))
 
     async def _with_end(self, record: JobRecord) -> JobRecord:
         end = await self._kv.get(_end_key(record.submission_id, record.run_id))
-        return _overlay(record, end)
+        return self._overlay(record, end)
 
     async def current(self, records: list[JobRecord]) -> dict[str, JobRecord]:
         """What the KV says now of each of `records` (the same runs), in one round trip; a run
         the KV no longer has is left out."""
-        keys = [_job_key(record.submission_id) for record in records]
-        keys += [_end_key(record.submission_id, record.run_id) for record in records]
-        values = await self._kv.get_many(keys)
+        # Each key made once: a list of every live job reads a thousand of them.
+        runs = [(record.submission_id, record.run_id) for record in records]
+        job_keys = [_job_key(job_id) for job_id, _ in runs]
+        end_keys = [_end_key(job_id, run_id) for job_id, run_id in runs]
+        values = await self._kv.get_many(job_keys + end_keys)
         found = {}
-        for record in records:
-            live = values.get(_job_key(record.submission_id))
+        for (job_id, run_id), job_key, end_key in zip(runs, job_keys, end_keys, strict=True):
+            live = values.get(job_key)
             if live is None:
                 continue
-            current = JobRecord.model_validate_json(live)
-            if current.run_id != record.run_id:
-                continue
-            found[record.submission_id] = _overlay(
-                current, values.get(_end_key(record.submission_id, record.run_id))
-            )
+            current = self._parse(live)
+            if current.run_id == run_id:
+                found[job_id] = self._overlay(current, values.get(end_key))
         return found
 
     async def live_records(self) -> list[JobRecord]:
@@ -124,7 +135,7 @@ class JobStore:
                 await self._kv.delete(_job_key(job_id))
             elif created is None:  # a run of an earlier server: the record says whose it is
                 live = await self._kv.get(_job_key(job_id))
-                if live is not None and JobRecord.model_validate_json(live).run_id == run_id:
+                if live is not None and self._parse(live).run_id == run_id:
                     await self._kv.delete(_job_key(job_id))
             # Else a newer run was created since: its record stays.
             await self._kv.delete(_end_key(job_id, run_id))
@@ -169,7 +180,7 @@ class JobStore:
         # An end written since `current` was read wins over this write; whoever wrote the live
         # state learns of it now (a supervisor stops the command it just started).
         end = await self._kv.get(_end_key(submission_id, current.run_id))
-        return _overlay(updated, end)
+        return self._overlay(updated, end)
 
     async def _end(self, current: JobRecord, **changes: Any) -> JobRecord:
         changes.setdefault("end_time", now_ms())
@@ -181,12 +192,7 @@ class JobStore:
         if winner is None:  # deleted right after it was written
             raise JobNotFoundError(current.submission_id)
         logger.debug("job %s had already ended; not applying %s", current.submission_id, changes)
-        return JobRecord.model_validate_json(winner)
-
-
-def _overlay(live: JobRecord, end: bytes | None) -> JobRecord:
-    """The record as it is: its end, if it has one, else its live state."""
-    return live if end is None else JobRecord.model_validate_json(end)
+        return self._parse(winner)
 
 
 def _encode(record: JobRecord) -> bytes:
