@@ -62,6 +62,9 @@ DONE_POLL_INTERVAL_S = 0.2
 BURST_TIMEOUT_S = 900.0
 SLEEPERS_RUNNING_TIMEOUT_S = 300.0
 IDLE_CPU_WINDOW_S = 10.0
+# A dashboard's polls of the live jobs, timed one after another with the sleepers running.
+DASHBOARD_POLLS = 40
+DASHBOARD_QUERIES = ("status=PENDING", "status=RUNNING")
 # How long the sleepers get to end once stopped (the cluster's end stops the rest).
 STOP_TIMEOUT_S = 60.0
 MIB = 2**20
@@ -94,6 +97,10 @@ METHOD_NOTES = [
     "`?status=PENDING` lists none still PENDING. Idle CPU: the server process's CPU time (user +"
     f" system) over {IDLE_CPU_WINDOW_S:.0f} s of wall time with all of them running and no "
     "request, as a share of one core.",
+    f"A dashboard's poll, with the sleepers running: {DASHBOARD_POLLS} requests of each "
+    "status-filtered list one after another; the server process's CPU time per request, and "
+    "the mean latency. A status filter reads every live job (its archived row and its KV "
+    "record), so this is what polling the live jobs costs the server.",
 ]
 
 
@@ -276,6 +283,10 @@ async def sleepers(url: str, pid: int, args: argparse.Namespace) -> dict[str, fl
         used_s = (after.user - before.user) + (after.system - before.system)
         figures["idle_cpu"] = used_s / IDLE_CPU_WINDOW_S
         figures["rss_with_sleepers"] = summed_rss_bytes(process_tree(server))
+        for query in DASHBOARD_QUERIES:
+            cpu_s, wall_s = await poll_cost(api, server, query)
+            name = query.removeprefix("status=").lower()
+            figures[f"poll_{name}_cpu"], figures[f"poll_{name}_wall"] = cpu_s, wall_s
         logger.info("sleepers: %s; stopping them", figures)
         stop_errors = 0
         semaphore = asyncio.Semaphore(args.in_flight)
@@ -293,6 +304,19 @@ async def sleepers(url: str, pid: int, args: argparse.Namespace) -> dict[str, fl
         if stop_errors:
             figures["stop_errors"] = stop_errors
     return figures
+
+
+async def poll_cost(api: JobsApi, server: psutil.Process, query: str) -> tuple[float, float]:
+    """The server's CPU seconds per `GET /api/jobs/?{query}`, and its mean latency, over
+    DASHBOARD_POLLS polls one after another (a dashboard that polls the live jobs)."""
+    before, started_s = server.cpu_times(), time.monotonic()
+    for _ in range(DASHBOARD_POLLS):
+        async with api.session.get(api.url(f"/api/jobs/?{query}")) as response:
+            response.raise_for_status()
+            await response.read()
+    elapsed_s, after = time.monotonic() - started_s, server.cpu_times()
+    used_s = (after.user - before.user) + (after.system - before.system)
+    return used_s / DASHBOARD_POLLS, elapsed_s / DASHBOARD_POLLS
 
 
 def fmt_s(value: float | str) -> str:
@@ -385,6 +409,19 @@ def render(
             "≤ 5 %",
             verdict(idle <= 0.05, idle),
         ),
+        *[
+            (
+                f"server CPU per `GET /api/jobs/?{query}` with {args.sleepers:,} running "
+                f"(a dashboard's poll; mean latency "
+                f"{fmt_s(num(uncapped, f'poll_{name}_wall'))})",
+                "—",
+                fmt_s(num(uncapped, f"poll_{name}_cpu")),
+                "—",
+                "for information",
+            )
+            for query in DASHBOARD_QUERIES
+            for name in [query.removeprefix("status=").lower()]
+        ],
     ]
     lines = [
         "# The queue under a burst (issue 15)",
