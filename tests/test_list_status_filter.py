@@ -36,9 +36,9 @@ async def test_a_status_filter_sees_the_status_a_job_has_now(
     release = asyncio.Event()
     learn_started, learn_end = history.learn_started, history.learn_end
 
-    async def held_start(record: JobRecord) -> None:
+    async def held_start(record: JobRecord, **known: Any) -> None:
         await release.wait()
-        await learn_started(record)
+        await learn_started(record, **known)
 
     async def held_end(record: JobRecord, **known: Any) -> JobRecord | None:
         await release.wait()
@@ -57,6 +57,11 @@ async def test_a_status_filter_sees_the_status_a_job_has_now(
         archived = await archive.get(job)
         assert archived is not None
         assert archived.status is JobStatus.PENDING  # the window is open
+        # Counted as listed; the archive's one PENDING moved on, so no PENDING (not a 0).
+        assert await manager.count_by_status() == {
+            JobStatus.RUNNING: 1,
+            JobStatus.SUCCEEDED: 1,
+        }
         for query in ("status=RUNNING", "status=RUNNING&limit=1", "status=PENDING,RUNNING"):
             assert await listed(client, query) == {job: "RUNNING"}, query
         for query in ("status=PENDING", "status=PENDING&limit=5", "status=SUCCEEDED,FAILED"):

@@ -312,9 +312,9 @@ async def test_counts_read_the_live_jobs_records_not_the_queued_ones(
         release = asyncio.Event()
         learn_started = history.learn_started
 
-        async def held_start(record: JobRecord) -> None:
+        async def held_start(record: JobRecord, **known: Any) -> None:
             await release.wait()
-            await learn_started(record)
+            await learn_started(record, **known)
 
         # The archive does not learn that the blocker runs: only the KV knows.
         monkeypatch.setattr(history, "learn_started", held_start)

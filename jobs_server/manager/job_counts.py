@@ -34,7 +34,12 @@ async def count_jobs_by_tenant(
         now = current.get(before.submission_id, before)
         if before.status is not now.status:
             of_tenant = counts.setdefault(before.tenant, {})
-            of_tenant[before.status] = of_tenant.get(before.status, 0) - 1
+            left = of_tenant.get(before.status, 0) - 1
+            # As the archive's own counts: a status no job has is not there (not a 0).
+            if left:
+                of_tenant[before.status] = left
+            else:
+                of_tenant.pop(before.status, None)
             of_tenant[now.status] = of_tenant.get(now.status, 0) + 1
     return counts
 
