@@ -66,7 +66,7 @@ async def test_the_list_shows_jobs_and_updates_live(
     await page.evaluate("window.loadedOnce = true")
 
     # A job submitted elsewhere appears, then changes status, without a reload.
-    live = await submit(client, entrypoint="sleep 3; echo live", metadata={"team": "ml"})
+    live = await submit(client, entrypoint="sleep 3; echo live", metadata={"team": "ml-ops"})
     await expect(job_row(page, live)).to_be_visible()
     await expect(job_row(page, live).locator(".status-cell")).to_have_text("RUNNING")
     await expect(page.get_by_label("API key")).to_be_hidden()  # no token: no prompt
@@ -83,7 +83,7 @@ async def test_the_list_shows_jobs_and_updates_live(
     await expect(page.locator("tbody tr")).to_have_count(0)
     await page.get_by_label("Status").select_option("")
     await expect(page.locator("tbody tr")).to_have_count(2)
-    await page.get_by_label("Search id or metadata").fill("ml")
+    await page.get_by_label("Search id or metadata").fill("ml-ops")  # a hyphen: in no generated id
     await expect(page.locator("tbody tr")).to_have_count(1)
     await expect(job_row(page, live)).to_be_visible()
     await page.get_by_label("Search id or metadata").fill("team=web")  # asks the server
