@@ -108,16 +108,10 @@ class JobViews:
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
             current = {}
-        now = []
-        for record, job_id in zip(records, ids, strict=True):
-            record = current.get(job_id, record)
-            # Only a pending job has a wait to describe (no coroutine for the others).
-            now.append(
-                await self.with_wait_message(record)
-                if record.status is JobStatus.PENDING
-                else record
-            )
-        return now
+        return [
+            await self.with_wait_message(current.get(job_id, record))
+            for record, job_id in zip(records, ids, strict=True)
+        ]
 
     async def with_wait_message(self, record: JobRecord) -> JobRecord:
         """A queued job says its place and the cap it waits behind; a pending job handed over

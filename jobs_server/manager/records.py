@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
-# Parsed records kept for their text (parse_record): a few thousand live jobs' (~4 KiB each).
+# Parses a server's caching_record_parser keeps: a couple of thousand live jobs (~4 KiB each).
 PARSED_RECORDS_KEPT = 2048
 
 # A queued job's priority: higher first (job_queue.py), within these bounds.
