@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.early_stop import EarlyStop
 from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
 from jobs_server.manager.process import kill_job_processes, signal_job_processes
 from tests.fork_servers import (
@@ -110,12 +111,85 @@ async def test_a_job_the_fork_server_was_starting_when_it_died_leaves_nothing(
             await process.wait()
 
 
+# A supervisor that learns of the starts this late (a busy one: CI saw a second).
+LATE_REPORT_S = 2.0
+# Stopped at once, it writes nothing; stopped once it runs, "a" at most: "b" means it ran on.
+SLEEPY = "echo a; sleep 1; echo b"
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+@pytest.mark.parametrize("stopped", ["as-it-is-requested", "once-it-runs"])
+async def test_a_stop_reaches_a_starting_command_before_its_start_is_reported(
+    forks: ForkServer,
+    tmp_path: Path,
+    containment: Containment,
+    stopped: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The supervisor learns of the start late: the stop asked for meanwhile still ends the
+    command at once (before, it ran on to its end and was recorded STOPPED: CI, 8 of 120)."""
+    loop = asyncio.get_running_loop()
+    report_started = forks._started
+    monkeypatch.setattr(
+        forks, "_started", lambda job: loop.call_later(LATE_REPORT_S, report_started, job)
+    )
+    log_path = tmp_path / "job.log"
+    early_stop = EarlyStop(asyncio.Event())
+    starting = asyncio.ensure_future(
+        forks.spawn(
+            SLEEPY,
+            log_path=log_path,
+            env=job_env(f"stopped-starting-{stopped}"),
+            containment=containment,
+            early_stop=early_stop,
+        )
+    )
+    if stopped == "once-it-runs":
+        await wait_until(lambda: log_path.exists() and log_path.read_bytes(), "it never ran")
+    early_stop.requested.set()
+    process = await asyncio.wait_for(starting, 30)
+    assert early_stop.sent
+    assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGTERM
+    await asyncio.sleep(1.5)  # what a command that ran on would need to write "b"
+    assert log_path.read_bytes() in {b"", b"a\n"}
+    assert not marked_processes(f"JOBS_SERVER_JOB_TOKEN=stopped-starting-{stopped}")
+
+
+@pytest.mark.parametrize("containment", CONTAINMENTS)
+async def test_a_start_is_reported_as_it_runs_not_after_the_rest_of_its_batch(
+    forks: ForkServer, tmp_path: Path, containment: Containment
+) -> None:
+    """Requests of a batch arrive in one read: the fork server reports each start as its shell
+    runs, not once it has forked the whole batch (a stop and RUNNING wait for that report)."""
+    count = 100
+    starts = [
+        asyncio.ensure_future(
+            forks.spawn(
+                "sleep 60",
+                log_path=tmp_path / f"{index}.log",
+                env={"JOBS_SERVER_JOB_TOKEN": f"batch-{index}"},
+                containment=containment,
+            )
+        )
+        for index in range(count)
+    ]
+    try:
+        await asyncio.wait_for(starts[0], 30)
+        # The fork server opens a job's log as it takes its request.
+        assert not (tmp_path / f"{count - 1}.log").exists()
+    finally:
+        for process in await asyncio.gather(*starts):
+            await kill_job_processes("unused", process.pid, containment=containment)
+            await process.wait()
+
+
 # A supervisor's processes as supervisor.py prepares them: the guardian, a subreaper, the fork
 # server; then one job.
 SUPERVISOR_SCRIPT = """
 import asyncio, os, subprocess, sys, time
 from pathlib import Path
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.early_stop import EarlyStop
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
 from jobs_server.manager.process import become_child_subreaper

@@ -19,6 +19,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.early_stop import EarlyStop
 from jobs_server.manager.job_run import SUBMISSION_ID_ENV_VAR
 from jobs_server.manager.process import (
     find_job_processes,
@@ -130,6 +131,30 @@ async def test_a_stopped_shell_runs_no_further_command(client: Client) -> None:
     assert {job["status"] for job in jobs} == {"STOPPED"}
     logs = {job_id: await job_logs(client, job_id) for job_id in job_ids}
     assert {job_id: log for job_id, log in logs.items() if log} == {}
+
+
+async def test_a_stop_asked_for_as_a_launcher_starts_ends_it_before_its_command_runs(
+    tmp_path: Path,
+) -> None:
+    """Without a fork server, a contained command starts through a launcher that takes a
+    Python start: a stop asked for meanwhile sends it SIGTERM at once, and the command never
+    runs (before, it waited for the start and the command ran on meanwhile)."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    early_stop = EarlyStop(asyncio.Event())
+    early_stop.requested.set()
+    log_path = tmp_path / "job.log"
+    process = await start_entrypoint(
+        SLEEPY,
+        log_path=log_path,
+        env={**os.environ, "JOBS_SERVER_JOB_TOKEN": "stopped-launcher"},
+        containment=Containment.PID_NAMESPACE,
+        early_stop=early_stop,
+    )
+    assert early_stop.sent
+    assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGTERM
+    await asyncio.sleep(SURVIVOR_SHOWS_S)
+    assert log_path.read_bytes() == b""
 
 
 @pytest.mark.parametrize("containment", list(Containment))

@@ -22,6 +22,7 @@ import ray
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.command_start import CommandProcess, start_entrypoint
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.early_stop import EarlyStop
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import (
     JOB_TIMEOUT_ERROR_TYPE,
@@ -159,6 +160,9 @@ class JobAttempts:
         job, run = self._job, self._run
         # Everything of the attempt before is dead: nothing but this attempt's writes follow.
         log_offset = log_size(run.log_path)
+        # A stop while the command starts reaches it at once, not when its start is reported:
+        # that may take a second (a batch of starts before it), and it would run on meanwhile.
+        early_stop = EarlyStop(run.stop_requested)
         try:
             with self._host.command_starting():
                 process = await start_entrypoint(
@@ -167,6 +171,7 @@ class JobAttempts:
                     env=driver_env(job, job_token, self._host.supervisor_token),
                     containment=containment,
                     fork_server=self._host.fork_server(),
+                    early_stop=early_stop,
                 )
         except OSError as error:
             # A fork server that died as it started the command killed it: not its orphans.
@@ -184,7 +189,9 @@ class JobAttempts:
         self._attempts.append(JobAttempt(start_time=now_ms(), log_offset=log_offset))
         # From the moment the command runs, a stop (or the timeout) acts on it at once, also
         # while the attempt is being recorded: that write may take long on a busy GCS.
-        ending = asyncio.create_task(self._run_until_end(process, job_token, containment))
+        ending = asyncio.create_task(
+            self._run_until_end(process, job_token, containment, terminated=early_stop.sent)
+        )
         try:
             record = await self._record_attempt_start(process.pid, ending)
             run.started.set()
@@ -260,21 +267,28 @@ class JobAttempts:
         return record
 
     async def _run_until_end(
-        self, process: CommandProcess, job_token: str, containment: Containment
+        self,
+        process: CommandProcess,
+        job_token: str,
+        containment: Containment,
+        *,
+        terminated: bool = False,
     ) -> CommandEnd:
-        """Wait for the command to exit, or stop it when asked to (or at the job's timeout)."""
+        """Wait for the command to exit, or stop it when asked to (or at the job's timeout).
+        `terminated`: a stop sent it SIGTERM as it started; it ends as a stopped command."""
         run = self._run
-        exited = asyncio.ensure_future(process.wait())
-        stop_requested = asyncio.ensure_future(run.stop_requested.wait())
-        await asyncio.wait(
-            {exited, stop_requested},
-            timeout=self._time_left_s(),
-            return_when=asyncio.FIRST_COMPLETED,
-        )
-        stop_requested.cancel()
-        if exited.done() or has_exited(process):
-            # It ended on its own, if only just before the stop: its end is its exit's.
-            return CommandEnd(exit_code=await exited, stopped=False)
+        if not terminated:
+            exited = asyncio.ensure_future(process.wait())
+            stop_requested = asyncio.ensure_future(run.stop_requested.wait())
+            await asyncio.wait(
+                {exited, stop_requested},
+                timeout=self._time_left_s(),
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+            stop_requested.cancel()
+            if exited.done() or has_exited(process):
+                # It ended on its own, if only just before the stop: its end is its exit's.
+                return CommandEnd(exit_code=await exited, stopped=False)
         exit_code = await stop_job_processes(
             process,
             job_token=job_token,
@@ -282,6 +296,7 @@ class JobAttempts:
             deadline=run.stop_deadline or end_grace_within(run, self._job.stop_grace_s),
             containment=containment,
             other_roots=self._host.other_roots(run),
+            terminated=terminated,
         )
         return CommandEnd(exit_code=exit_code, stopped=True)
 

@@ -4,13 +4,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, overload
 
 from jobs_server.manager.containment import Containment, launch_argv
+from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
 from jobs_server.manager.fork_server import ForkServer
 
 
@@ -35,6 +38,7 @@ async def start_entrypoint(
     env: Mapping[str, str],
     containment: Containment,
     fork_server: None = None,
+    early_stop: EarlyStop | None = None,
 ) -> asyncio.subprocess.Process: ...
 
 
@@ -46,6 +50,7 @@ async def start_entrypoint(
     env: Mapping[str, str],
     containment: Containment,
     fork_server: ForkServer | None,
+    early_stop: EarlyStop | None = None,
 ) -> CommandProcess: ...
 
 
@@ -56,19 +61,26 @@ async def start_entrypoint(
     env: Mapping[str, str],
     containment: Containment,
     fork_server: ForkServer | None = None,
+    early_stop: EarlyStop | None = None,
 ) -> CommandProcess:
     """Run `entrypoint` with `/bin/sh -c` in a process group of its own (in the fork server's
     session, or a new one for a launcher started here; in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log. Return once the command runs.
+    `containment` says so); stdout and stderr go to the log. Return once the command runs (or
+    has been sent SIGTERM: `early_stop`).
 
     Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
     per job)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if fork_server is not None:
         return await fork_server.spawn(
-            entrypoint, log_path=log_path, env=env, containment=containment
+            entrypoint,
+            log_path=log_path,
+            env=env,
+            containment=containment,
+            early_stop=early_stop,
         )
     if containment != Containment.PID_NAMESPACE:
+        # The shell itself: it runs when this returns, and a stop reaches it from then on.
         return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
     started_r, started_w = os.pipe()
     try:
@@ -79,7 +91,15 @@ async def start_entrypoint(
         finally:
             os.close(started_w)
         # The launcher takes a Python start before the shell runs: RUNNING means it runs.
-        await _wait_for_eof(started_r)
+        started = asyncio.ensure_future(_wait_for_eof(started_r))
+        try:
+            if await until_started_or_stopped(started, early_stop):
+                # Before its handlers, SIGTERM ends the launcher itself: the shell never runs.
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process.pid, signal.SIGTERM)
+            await started
+        finally:
+            started.cancel()
     finally:
         os.close(started_r)
     return process

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jobs_server.manager.containment import SHELL, Containment
+from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
 from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.zygote import ZYGOTE_SOURCE
 
@@ -87,6 +88,8 @@ class ForkServer:
         self._job_numbers = itertools.count()
         self._starting: dict[int, asyncio.Future[ForkedProcess]] = {}
         self._forked: dict[int, int] = {}  # job: launcher pid, until it is reported started
+        # Jobs stopped before their launcher was forked: it gets SIGTERM when it is.
+        self._stop_when_forked: set[int] = set()
 
     @property
     def pid(self) -> int | None:
@@ -122,10 +125,17 @@ class ForkServer:
         asyncio.get_running_loop().add_reader(self._reports, self._read_reports)
 
     async def spawn(
-        self, entrypoint: str, *, log_path: Path, env: Mapping[str, str], containment: Containment
+        self,
+        entrypoint: str,
+        *,
+        log_path: Path,
+        env: Mapping[str, str],
+        containment: Containment,
+        early_stop: EarlyStop | None = None,
     ) -> ForkedProcess:
-        """Run `entrypoint` as `containment.launch_argv` would; return once the command runs.
-        Raises OSError if it cannot start (the log would not open, the fork server died)."""
+        """Run `entrypoint` as `containment.launch_argv` would; return once the command runs
+        (or has been sent SIGTERM: `early_stop`). Raises OSError if it cannot start (the log
+        would not open, the fork server died)."""
         if self._process is None:
             self.start()
         job = next(self._job_numbers)
@@ -135,7 +145,23 @@ class ForkServer:
         fields += [f"{name}={value}" for name, value in env.items()]
         frame = b"\0".join(os.fsencode(field) for field in fields)
         self._send(b"%d\n%s" % (len(frame), frame))
-        return await started
+        try:
+            if await until_started_or_stopped(started, early_stop):
+                self._stop_starting(job)
+            return await started
+        except asyncio.CancelledError:
+            started.cancel()  # nobody awaits it: `_started` kills it
+            raise
+
+    def _stop_starting(self, job: int) -> None:
+        """SIGTERM to a job's launcher as soon as it is forked: it holds the signal (blocked
+        since before its fork) until its handlers pass it on, so its command never runs on."""
+        pid = self._forked.get(job)
+        if pid is None:
+            self._stop_when_forked.add(job)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
         """End the fork server and wait for it (the jobs it started run on)."""
@@ -180,15 +206,20 @@ class ForkServer:
             job = int(job_number)
             if what == b"forked":
                 self._forked[job] = int(detail)
+                if job in self._stop_when_forked:
+                    self._stop_when_forked.discard(job)
+                    self._stop_starting(job)
             elif what == b"started":
-                self._started(job, self._forked.pop(job))
+                self._started(job)
             else:
+                self._stop_when_forked.discard(job)
                 pid = self._forked.pop(job, None)
                 if pid is not None:
                     _reap_later(pid)  # the launcher that could not exec its shell
                 self._starting.pop(job).set_exception(OSError(detail.strip().decode()))
 
-    def _started(self, job: int, pid: int) -> None:
+    def _started(self, job: int) -> None:
+        pid = self._forked.pop(job)
         started = self._starting.pop(job)
         try:
             process = ForkedProcess(pid)
@@ -228,4 +259,5 @@ class ForkServer:
                 started.set_exception(ForkServerDiedError("the supervisor's fork server died"))
         self._starting.clear()
         self._forked.clear()
+        self._stop_when_forked.clear()
         process.poll()  # reaped now if it has ended; else by the supervisor's orphan reaping

@@ -296,12 +296,16 @@ async def stop_job_processes(
     deadline: StopDeadline,
     containment: Containment = Containment.MARKER,
     other_roots: frozenset[int] = frozenset(),
+    terminated: bool = False,
 ) -> int:
-    """SIGTERM every process of the job, wait until the deadline for the command to exit, then
-    SIGKILL what is left. Return the command's exit code (negative: the ending signal)."""
-    signal_job_processes(
-        job_token, signal.SIGTERM, process.pid, containment=containment, other_roots=other_roots
-    )
+    """SIGTERM every process of the job (unless `terminated`: it was sent as the command
+    started, and a second one would run a job's TERM trap twice), wait until the deadline for
+    the command to exit, then SIGKILL what is left. Return the command's exit code (negative:
+    the ending signal)."""
+    if not terminated:
+        signal_job_processes(
+            job_token, signal.SIGTERM, process.pid, containment=containment, other_roots=other_roots
+        )
     await deadline.wait_for_exit(process)
     await kill_job_processes(
         job_token, process.pid, containment=containment, other_roots=other_roots

@@ -138,9 +138,23 @@ def on_started_pipe(fd):
         report(b"started", job)
 
 
+def take_request():
+    global pending
+    header, newline, rest = pending.partition(b"\n")
+    if not newline or len(rest) < int(header):
+        return None
+    pending = rest[int(header):]
+    return rest[: int(header)]
+
+
+# One request at a time, with a look at the started pipes after each (without waiting): a job
+# is reported started as soon as its shell runs, not once a whole batch after it is forked.
 pending = b""
 while True:
-    for fd, _ in poller.poll():
+    request = take_request()
+    if request is not None:
+        start(request)
+    for fd, _ in poller.poll(0 if request is not None else -1):
         if fd != REQUESTS:
             on_started_pipe(fd)
             continue
@@ -148,11 +162,5 @@ while True:
         if not data:
             os._exit(0)  # the supervisor is gone
         pending += data
-        while True:
-            header, newline, rest = pending.partition(b"\n")
-            if not newline or len(rest) < int(header):
-                break
-            start(rest[: int(header)])
-            pending = rest[int(header):]
 """
 )
