@@ -155,34 +155,6 @@ async def test_a_stop_reaches_a_starting_command_before_its_start_is_reported(
     assert not marked_processes(f"JOBS_SERVER_JOB_TOKEN=stopped-starting-{stopped}")
 
 
-@pytest.mark.parametrize("containment", CONTAINMENTS)
-async def test_a_start_is_reported_as_it_runs_not_after_the_rest_of_its_batch(
-    forks: ForkServer, tmp_path: Path, containment: Containment
-) -> None:
-    """Requests of a batch arrive in one read: the fork server reports each start as its shell
-    runs, not once it has forked the whole batch (a stop and RUNNING wait for that report)."""
-    count = 100
-    starts = [
-        asyncio.ensure_future(
-            forks.spawn(
-                "sleep 60",
-                log_path=tmp_path / f"{index}.log",
-                env={"JOBS_SERVER_JOB_TOKEN": f"batch-{index}"},
-                containment=containment,
-            )
-        )
-        for index in range(count)
-    ]
-    try:
-        await asyncio.wait_for(starts[0], 30)
-        # The fork server opens a job's log as it takes its request.
-        assert not (tmp_path / f"{count - 1}.log").exists()
-    finally:
-        for process in await asyncio.gather(*starts):
-            await kill_job_processes("unused", process.pid, containment=containment)
-            await process.wait()
-
-
 # A supervisor's processes as supervisor.py prepares them: the guardian, a subreaper, the fork
 # server; then one job.
 SUPERVISOR_SCRIPT = """
