@@ -147,12 +147,18 @@ async def test_a_stop_reaches_a_starting_command_before_its_start_is_reported(
     if stopped == "once-it-runs":
         await wait_until(lambda: log_path.exists() and log_path.read_bytes(), "it never ran")
     early_stop.requested.set()
+    # All of it at once, long before its start is reported: its `sleep` too, not left to end
+    # on its own (or to be killed later).
+    await wait_until(
+        lambda: not marked_processes(f"JOBS_SERVER_JOB_TOKEN=stopped-starting-{stopped}"),
+        "a process of the stopped command runs on",
+        timeout_s=LATE_REPORT_S / 4,
+    )
     process = await asyncio.wait_for(starting, 30)
     assert early_stop.sent
     assert await asyncio.wait_for(process.wait(), 30) == -signal.SIGTERM
     await asyncio.sleep(1.5)  # what a command that ran on would need to write "b"
     assert log_path.read_bytes() in {b"", b"a\n"}
-    assert not marked_processes(f"JOBS_SERVER_JOB_TOKEN=stopped-starting-{stopped}")
 
 
 # A supervisor's processes as supervisor.py prepares them: the guardian, a subreaper, the fork

@@ -89,7 +89,7 @@ class ForkServer:
         self._starting: dict[int, asyncio.Future[ForkedProcess]] = {}
         self._forked: dict[int, int] = {}  # job: launcher pid, until it is reported started
         # Jobs stopped before their launcher was forked: it gets SIGTERM when it is.
-        self._stop_when_forked: set[int] = set()
+        self._stop_when_forked: dict[int, Containment] = {}
 
     @property
     def pid(self) -> int | None:
@@ -147,20 +147,27 @@ class ForkServer:
         self._send(b"%d\n%s" % (len(frame), frame))
         try:
             if await until_started_or_stopped(started, early_stop):
-                self._stop_starting(job)
+                self._stop_starting(job, containment)
             return await started
         except asyncio.CancelledError:
             started.cancel()  # nobody awaits it: `_started` kills it
             raise
 
-    def _stop_starting(self, job: int) -> None:
+    def _stop_starting(self, job: int, containment: Containment) -> None:
         """SIGTERM to a job's launcher as soon as it is forked: it holds the signal (blocked
         since before its fork) until its handlers pass it on, so its command never runs on."""
         pid = self._forked.get(job)
         if pid is None:
-            self._stop_when_forked.add(job)
+            self._stop_when_forked[job] = containment
             return
         with contextlib.suppress(ProcessLookupError):
+            if containment != Containment.PID_NAMESPACE:
+                with contextlib.suppress(ProcessLookupError):
+                    # The launcher became the shell, in a group of its own: all of it at once
+                    # (no shell sees its child die). Not its group yet: it has not exec'd.
+                    os.killpg(pid, signal.SIGTERM)
+                    return
+            # A namespace's launcher passes it to the init, which signals the whole namespace.
             os.kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
@@ -207,12 +214,11 @@ class ForkServer:
             if what == b"forked":
                 self._forked[job] = int(detail)
                 if job in self._stop_when_forked:
-                    self._stop_when_forked.discard(job)
-                    self._stop_starting(job)
+                    self._stop_starting(job, self._stop_when_forked.pop(job))
             elif what == b"started":
                 self._started(job)
             else:
-                self._stop_when_forked.discard(job)
+                self._stop_when_forked.pop(job, None)
                 pid = self._forked.pop(job, None)
                 if pid is not None:
                     _reap_later(pid)  # the launcher that could not exec its shell
