@@ -36,8 +36,8 @@ from jobs_server.manager.job_run import (
 from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.logs import log_size, read_log_tail
 from jobs_server.manager.process import (
+    command_has_ended,
     ended_with_its_namespace,
-    has_exited,
     kill_job_processes,
     stop_job_processes,
 )
@@ -286,7 +286,7 @@ class JobAttempts:
                 return_when=asyncio.FIRST_COMPLETED,
             )
             stop_requested.cancel()
-            if exited.done() or has_exited(process):
+            if exited.done() or command_has_ended(process, containment):
                 # It ended on its own, if only just before the stop: its end is its exit's.
                 return CommandEnd(exit_code=await exited, stopped=False)
         exit_code = await stop_job_processes(

@@ -232,6 +232,18 @@ def has_exited(process: CommandProcess) -> bool:
         return True  # collected meanwhile
 
 
+def command_has_ended(process: CommandProcess, containment: Containment) -> bool:
+    """Whether the command has ended: `has_exited`, or in a PID namespace, its init has (the
+    command's end ends it). The launcher outlives them a moment: it reads the command's status,
+    then exits as it did; on a busy node that moment is long enough for a stop to come in it."""
+    if has_exited(process):
+        return True
+    if containment != Containment.PID_NAMESPACE:
+        return False  # the process is the shell itself
+    # The launcher's one child is the init, there from before the command was reported started.
+    return not any(_is_alive(child) for child in _children(process.pid))
+
+
 def ended_with_its_namespace(process: CommandProcess, containment: Containment) -> bool:
     """Whether nothing of the command can be left: its launcher exited (not killed by a
     signal) after its PID namespace's init, whose end killed and reaped the whole namespace."""
