@@ -160,14 +160,14 @@ class ForkServer:
         if pid is None:
             self._stop_when_forked[job] = containment
             return
+        if containment != Containment.PID_NAMESPACE:
+            with contextlib.suppress(ProcessLookupError):
+                # The launcher became the shell, in a group of its own: all of it at once (no
+                # shell sees its child die). No such group yet: it has not exec'd, see below.
+                os.killpg(pid, signal.SIGTERM)
+                return
+        # A namespace's launcher passes it to the init, which signals the whole namespace.
         with contextlib.suppress(ProcessLookupError):
-            if containment != Containment.PID_NAMESPACE:
-                with contextlib.suppress(ProcessLookupError):
-                    # The launcher became the shell, in a group of its own: all of it at once
-                    # (no shell sees its child die). Not its group yet: it has not exec'd.
-                    os.killpg(pid, signal.SIGTERM)
-                    return
-            # A namespace's launcher passes it to the init, which signals the whole namespace.
             os.kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
