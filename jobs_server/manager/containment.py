@@ -51,6 +51,8 @@ import sys
 logger = logging.getLogger(__name__)
 
 SHELL = "/bin/sh"
+# The shell's pid in its job's namespace: the init (1) spawns it before anything else.
+COMMAND_NAMESPACE_PID = 2
 # The launcher's exit code when it cannot make the namespace (as container runtimes answer 125).
 LAUNCH_FAILED_EXIT_CODE = 125
 _PROBE_EXIT_CODE = 3

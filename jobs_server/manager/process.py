@@ -27,7 +27,7 @@ from jobs_server.manager.command_start import CommandProcess
 
 # Where callers (tests among them) have always found it.
 from jobs_server.manager.command_start import start_entrypoint as start_entrypoint
-from jobs_server.manager.containment import Containment
+from jobs_server.manager.containment import COMMAND_NAMESPACE_PID, Containment
 
 logger = logging.getLogger(__name__)
 
@@ -233,15 +233,35 @@ def has_exited(process: CommandProcess) -> bool:
 
 
 def command_has_ended(process: CommandProcess, containment: Containment) -> bool:
-    """Whether the command has ended: `has_exited`, or in a PID namespace, its init has (the
-    command's end ends it). The launcher outlives them a moment: it reads the command's status,
-    then exits as it did; on a busy node that moment is long enough for a stop to come in it."""
+    """Whether the command has ended: `has_exited`, or in a PID namespace, its shell has. What
+    waits for the shell outlives it a moment: the init reaps it and reports its status, the
+    launcher reads that and exits as it did; on a busy node that is long enough for a stop to
+    come in it, and the stop would find nothing left to stop."""
     if has_exited(process):
         return True
     if containment != Containment.PID_NAMESPACE:
         return False  # the process is the shell itself
-    # The launcher's one child is the init, there from before the command was reported started.
-    return not any(_is_alive(child) for child in _children(process.pid))
+    # The launcher's one child is the init, there from before the command was reported started;
+    # the init's first child is the shell (the others are orphans it adopted).
+    return not any(
+        _is_alive(child) and _namespace_pid(child) in (COMMAND_NAMESPACE_PID, None)
+        for init in _children(process.pid)
+        if _is_alive(init)
+        for child in _children(init)
+    )
+
+
+def _namespace_pid(pid: int) -> int | None:
+    """`pid`'s number in its own (innermost) PID namespace; None if unknown (it is gone, or a
+    kernel before 4.1 does not say)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def ended_with_its_namespace(process: CommandProcess, containment: Containment) -> bool:
