@@ -75,6 +75,11 @@ import _signal as signal  # the C module: signal.py's enums would add ~5 ms to e
 CLONE_NEWPID = 0x20000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE = 1, 4
 FORWARDED = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+# Set back to their default for the command: what Python ignores (SIGPIPE: `yes | head` ends by
+# it), and what the server inherited ignored (a shell starts a background command with SIGINT
+# and SIGQUIT ignored): a job must not start unable to be interrupted. Signals 1-31 but the two
+# that cannot be caught.
+DEFAULTED = [sig for sig in range(1, 32) if sig not in (signal.SIGKILL, signal.SIGSTOP)]
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -105,14 +110,14 @@ def launch_in_namespace(shell, entrypoint, started_w, env):
             pass
         # Spawned (vfork and exec: no copy of this interpreter, about 1 ms of CPU less per
         # job than a fork), in a process group of its own: not a session, see "One scheduling
-        # group" above. What Python ignores, the command must not (`yes | head` ends by
-        # SIGPIPE); its mask starts empty. The started pipe's end closes at the exec.
+        # group" above. Its signals start at their defaults (DEFAULTED) and its mask
+        # empty. The started pipe's end closes at the exec.
         if started_w >= 0:
             os.set_inheritable(started_w, False)
         try:
             command = os.posix_spawn(
                 shell, [shell, "-c", entrypoint], os.environ if env is None else env,
-                setpgroup=0, setsigmask=(), setsigdef=(signal.SIGPIPE, signal.SIGXFSZ),
+                setpgroup=0, setsigmask=(), setsigdef=DEFAULTED,
             )
         except OSError as error:
             os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())

@@ -68,8 +68,8 @@ def become_launcher(containment, shell, entrypoint, log, started_w, env):
     os.close(devnull)
     if containment == "pid_namespace":
         launch_in_namespace(shell, entrypoint, started_w, env)  # never returns
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    for sig in DEFAULTED:
+        signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
     try:
         os.execve(shell, [shell, "-c", entrypoint], env)  # closes started_w
