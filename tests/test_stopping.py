@@ -141,20 +141,28 @@ async def test_a_stop_that_comes_once_the_command_has_ended_leaves_it_succeeded(
     holding.suspend()
     try:
         await wait_for_log(client, job_id, "a\nb\n")
-        deadline = time.monotonic() + 30
-        while shell.is_running() and shell.status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the job's command never ended"
-            await asyncio.sleep(0.01)
+        await _wait_until_ended(shell, "the job's command")
         if held == "launcher":
-            while init.is_running() and init.status() != psutil.STATUS_ZOMBIE:
-                assert time.monotonic() < deadline, "the job's init never ended"
-                await asyncio.sleep(0.01)
+            await _wait_until_ended(init, "the job's init")
         response = await client.post(f"/api/jobs/{job_id}/stop")
         assert response.status == 200, await response.text()
     finally:
         holding.resume()
     job = await wait_for_status(client, job_id)
     assert (job["status"], job["driver_exit_code"]) == ("SUCCEEDED", 0), job
+
+
+async def _wait_until_ended(process: psutil.Process, what: str, timeout_s: float = 30) -> None:
+    """Until `process` has exited (a zombie not yet reaped, or gone)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"{what} never ended"
+        await asyncio.sleep(0.01)
 
 
 def _name(pid: int) -> str:
