@@ -33,11 +33,13 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 
 @contextlib.asynccontextmanager
-async def subreaper_fork_server(shell: str = SHELL) -> AsyncIterator[ForkServer]:
+async def subreaper_fork_server(
+    shell: str = SHELL, *, clone_parent: bool = True
+) -> AsyncIterator[ForkServer]:
     """A started fork server of this test process, made a child subreaper meanwhile (as a
-    supervisor is): the launchers are re-parented to it."""
+    supervisor is): the launchers are its children (`clone_parent`), or re-parented to it."""
     assert become_child_subreaper()
-    server = ForkServer("fork-server-test", shell=shell)
+    server = ForkServer("fork-server-test", shell=shell, clone_parent=clone_parent)
     server.start()
     try:
         yield server

@@ -30,9 +30,11 @@ from tests.test_stopping import ESCAPED_SHELLS, MANY_THEN_FINISHES
 PYTHON = os.path.realpath(sys.executable)
 
 
-@pytest.fixture
-async def forks() -> AsyncIterator[ForkServer]:
-    async with subreaper_fork_server() as server:
+@pytest.fixture(params=[True, False], ids=["cloned", "forked-between"])
+async def forks(request: pytest.FixtureRequest) -> AsyncIterator[ForkServer]:
+    """Each test with a launcher cloned as the supervisor's child, and with one forked twice
+    (the way where the clone is refused)."""
+    async with subreaper_fork_server(clone_parent=request.param) as server:
         yield server
 
 
@@ -88,7 +90,8 @@ async def test_a_forked_job_runs_with_its_own_environment_and_process_group(
         await wait_until(lambda: log_path.read_bytes(), "the job wrote nothing")
         assert log_path.read_text() == "own-env yes\n"
         assert os.getpgid(process.pid) == process.pid  # a process group of its own
-        # The supervisor's child (re-parented), as a launcher it starts itself is.
+        # The supervisor's child (cloned as such, or re-parented), as a launcher it starts
+        # itself is.
         assert psutil.Process(process.pid).ppid() == os.getpid()
         assert os.getpgid(process.pid) != os.getpgid(forks.pid or 0)
     finally:

@@ -1,12 +1,12 @@
 """The supervisor's side of its fork server (zygote.py): one process, started once, forks the
 launcher of every job, where starting an interpreter per job cost most of a short job's CPU.
 
-Each launcher is re-parented to the supervisor, which must be a child subreaper: the supervisor
-reaps it (woken by a pidfd on the event loop: no thread per child, no `Popen` per job), and a
-`ForkedProcess` stands in for the `asyncio.subprocess.Process` a launcher it starts itself
-would be. One reader of the fork server's reports feeds them. If the fork server dies, the jobs
-it started run on; a job it was starting is killed and fails to start, and the next job starts
-a new fork server.
+Each launcher is the supervisor's child (cloned as such, or re-parented to it: the supervisor
+must be a child subreaper; zygote.py says why both): the supervisor reaps it (woken by a pidfd
+on the event loop: no thread per child, no `Popen` per job), and a `ForkedProcess` stands in for
+the `asyncio.subprocess.Process` a launcher it starts itself would be. One reader of the fork
+server's reports feeds them. If the fork server dies, the jobs it started run on; a job it was
+starting is killed and fails to start, and the next job starts a new fork server.
 """
 
 from __future__ import annotations
@@ -77,9 +77,13 @@ def _reap_later(pid: int) -> None:
 class ForkServer:
     """Starts jobs' launchers through one fork server, which it (re)starts when needed."""
 
-    def __init__(self, supervisor_token: str, *, shell: str = SHELL) -> None:
+    def __init__(
+        self, supervisor_token: str, *, shell: str = SHELL, clone_parent: bool = True
+    ) -> None:
         self._supervisor_token = supervisor_token
         self._shell = shell
+        # False: the launcher is forked twice, as where the clone is refused (zygote.py).
+        self._clone_parent = clone_parent
         self._process: subprocess.Popen[bytes] | None = None
         self._requests = -1
         self._reports = -1
@@ -109,7 +113,15 @@ class ForkServer:
         # Marked as the jobs' processes are: the guardian kills it and its launchers too.
         env[SUPERVISOR_TOKEN_ENV_VAR] = self._supervisor_token
         process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", ZYGOTE_SOURCE, str(os.getpid())],
+            [
+                sys.executable,
+                "-I",
+                "-S",
+                "-c",
+                ZYGOTE_SOURCE,
+                str(os.getpid()),
+                "1" if self._clone_parent else "0",
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
