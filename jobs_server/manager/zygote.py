@@ -186,8 +186,8 @@ def on_started_pipe(fd):
 # A whole read of requests is forked before the started pipes are looked at: a batch's starts
 # are reported together, late for its first ones (a second under load). Reporting each as it runs
 # took 1,000 sleepers twice as long to all be RUNNING (the supervisor's work comes in pieces),
-# and a stop need not wait for the report: the launcher's pid, written by the fork between at
-# once, is enough (early_stop.py).
+# and a stop need not wait for the report: the launcher's pid, written as soon as it is cloned
+# (or by the fork between), is enough (early_stop.py).
 pending = b""
 while True:
     for fd, _ in poller.poll():
