@@ -98,7 +98,12 @@ def clone_parent():
     # forks and signals by pid).
     global can_clone_parent
     if can_clone_parent:
-        pid = libc.syscall(ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT), 0, 0, 0, 0)
+        # Every argument a long: the call is variadic, and a stack pointer that is not zero in
+        # all of its 64 bits would be the child's stack.
+        zero = ctypes.c_long(0)
+        pid = libc.syscall(
+            ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT), zero, zero, zero, zero
+        )
         if pid >= 0:
             return pid
         can_clone_parent = False  # refused here: the fork between from now on
