@@ -17,7 +17,12 @@ import pytest
 
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkedProcess, ForkServer
-from jobs_server.manager.process import find_job_processes, kill_job_processes, signal_job_processes
+from jobs_server.manager.process import (
+    command_has_ended,
+    find_job_processes,
+    kill_job_processes,
+    signal_job_processes,
+)
 from tests.fork_servers import (
     CONTAINMENTS,
     job_env,
@@ -53,6 +58,8 @@ def tree(pid: int) -> list[psutil.Process]:
         ("true", 0, b""),
         ("kill -TERM $$", -signal.SIGTERM, b""),
         ("kill -KILL $$", -signal.SIGKILL, b""),
+        # As a SIGTERM's end reads in an init's exit code (128 + 15), but an exit of its own.
+        ("exit 143", 143, b""),
         ("yes | head -c 2", 0, b"y\n"),  # SIGPIPE ends `yes`, as in any shell
         ("cat; echo read-nothing", 0, b"read-nothing\n"),  # stdin is /dev/null
     ],
@@ -73,6 +80,8 @@ async def test_a_forked_job_ends_exactly_as_its_command(
     assert await asyncio.wait_for(process.wait(), 30) == exit_code
     assert process.returncode == exit_code
     assert log_path.read_bytes() == b"before\n" + log
+    # What an init left of a signal's end was read and removed.
+    assert os.listdir(forks._ends_dir or tmp_path) == []
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
@@ -97,6 +106,77 @@ async def test_a_forked_job_runs_with_its_own_environment_and_process_group(
     finally:
         await kill_job_processes("own-env", process.pid, containment=containment)
     assert await process.wait() == -signal.SIGKILL
+
+
+async def test_a_contained_job_is_its_namespaces_init_unless_the_clone_is_refused(
+    forks: ForkServer, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Cloned, the job's first process is the init of its PID namespace (no launcher: a copy
+    of the interpreter less per job); forked between (where a clone is refused), a launcher
+    whose child is the init."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    process = await forks.spawn(
+        "sleep 60",
+        log_path=tmp_path / "job.log",
+        env=job_env("shape"),
+        containment=Containment.PID_NAMESPACE,
+    )
+    try:
+        cloned = request.node.callspec.params["forks"]
+        init = process.pid
+        if not cloned:
+            [launched] = psutil.Process(process.pid).children()
+            init = launched.pid
+        assert _namespace_pid(init) == 1
+        assert process.namespace_init is cloned
+    finally:
+        await kill_job_processes("shape", process.pid, containment=Containment.PID_NAMESPACE)
+    assert await process.wait() == -signal.SIGKILL
+
+
+@pytest.mark.parametrize(
+    ("clone_parent", "held"), [(True, "init"), (False, "init"), (False, "launcher")]
+)
+async def test_a_command_has_ended_once_its_shell_has_even_while_its_waiter_is_held(
+    tmp_path: Path, clone_parent: bool, held: str
+) -> None:
+    """The shell has exited, but what waits for it has not noticed (held with SIGSTOP here; on
+    a busy node it may not run for a while): the command has ended all the same, so a stop
+    that comes now leaves it as it ended (tests/test_stopping.py). Cloned, the init is the
+    job's process; forked between, a launcher waits for the init."""
+    if os.geteuid() != 0:
+        pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    async with subreaper_fork_server(clone_parent=clone_parent) as forks:
+        process = await forks.spawn(
+            "sleep 0.5",
+            log_path=tmp_path / "job.log",
+            env=job_env("held"),
+            containment=Containment.PID_NAMESPACE,
+        )
+        assert process.namespace_init is clone_parent
+        init = psutil.Process(process.pid)
+        if not clone_parent:
+            [init] = init.children()
+        [shell] = init.children()
+        assert not command_has_ended(process, Containment.PID_NAMESPACE)
+        waiter = init if held == "init" else psutil.Process(process.pid)
+        waiter.suspend()
+        try:
+            ended = shell if held == "init" else init
+            await wait_until(
+                lambda: ended.status() == psutil.STATUS_ZOMBIE, "the shell never ended"
+            )
+            assert process.returncode is None
+            assert command_has_ended(process, Containment.PID_NAMESPACE)
+        finally:
+            waiter.resume()
+        assert await asyncio.wait_for(process.wait(), 30) == 0
+
+
+def _namespace_pid(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(status.split("NSpid:")[1].split("\n")[0].split()[-1])
 
 
 def scheduling_group(pid: int) -> tuple[int, str]:

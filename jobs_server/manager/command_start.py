@@ -18,8 +18,8 @@ from jobs_server.manager.fork_server import ForkServer
 
 
 class CommandProcess(Protocol):
-    """A started command (its launcher, in a PID namespace), this process's child: an
-    `asyncio.subprocess.Process`, or a `ForkedProcess`."""
+    """A started command (in a PID namespace, its launcher or its namespace's init), this
+    process's child: an `asyncio.subprocess.Process`, or a `ForkedProcess`."""
 
     @property
     def pid(self) -> int: ...

@@ -89,6 +89,42 @@ def fail(what):
     os._exit(125)
 
 
+def run_init(shell, entrypoint, started_w, env):
+    # The namespace's init (pid 1), with FORWARDED blocked: spawns the command, passes those
+    # signals to every process of the namespace, reaps the orphans, and returns the command's
+    # wait status once it has ended.
+    # Spawned (vfork and exec: no copy of this interpreter, about 1 ms of CPU less per job than
+    # a fork), in a process group of its own: not a session, see "One scheduling group" above.
+    # Its signals start at their defaults (DEFAULTED) and its mask empty. The started pipe's
+    # end closes at the exec.
+    if started_w >= 0:
+        os.set_inheritable(started_w, False)
+    try:
+        command = os.posix_spawn(
+            shell, [shell, "-c", entrypoint], os.environ if env is None else env,
+            setpgroup=0, setsigmask=(), setsigdef=DEFAULTED,
+        )
+    except OSError as error:
+        os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())
+        return 127 << 8
+
+    def to_every_process(sig, frame):
+        try:
+            os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
+        except OSError:
+            pass  # none left: a late stop must not leave a traceback in the job's log
+
+    for sig in FORWARDED:
+        signal.signal(sig, to_every_process)
+    if started_w >= 0:
+        os.close(started_w)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    while True:
+        pid, status = os.wait()  # orphans of the namespace come back to its init
+        if pid == command:
+            return status
+
+
 def launch_in_namespace(shell, entrypoint, started_w, env):
     # No /proc of its own (a mount namespace): Ray's drivers find their node's raylet in /proc.
     if libc.unshare(CLONE_NEWPID) != 0:
@@ -108,37 +144,7 @@ def launch_in_namespace(shell, entrypoint, started_w, env):
                 os._exit(1)  # the launcher died before the death signal was armed
         except BlockingIOError:
             pass
-        # Spawned (vfork and exec: no copy of this interpreter, about 1 ms of CPU less per
-        # job than a fork), in a process group of its own: not a session, see "One scheduling
-        # group" above. Its signals start at their defaults (DEFAULTED) and its mask
-        # empty. The started pipe's end closes at the exec.
-        if started_w >= 0:
-            os.set_inheritable(started_w, False)
-        try:
-            command = os.posix_spawn(
-                shell, [shell, "-c", entrypoint], os.environ if env is None else env,
-                setpgroup=0, setsigmask=(), setsigdef=DEFAULTED,
-            )
-        except OSError as error:
-            os.write(2, ("jobs-server: cannot run %s: %s\n" % (shell, error)).encode())
-            os.write(status_w, b"%d" % (127 << 8))
-            os._exit(0)
-
-        def to_every_process(sig, frame):
-            try:
-                os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
-            except OSError:
-                pass  # none left: a late stop must not leave a traceback in the job's log
-
-        for sig in FORWARDED:
-            signal.signal(sig, to_every_process)
-        if started_w >= 0:
-            os.close(started_w)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-        while True:
-            pid, status = os.wait()  # orphans of the namespace come back to its init
-            if pid == command:
-                break
+        status = run_init(shell, entrypoint, started_w, env)
         os.write(status_w, b"%d" % status)
         os._exit(0)  # and with the init, the kernel kills what the command left
 

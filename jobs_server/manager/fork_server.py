@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 # Asyncio's figure for a child whose status someone else collected.
 _UNKNOWN_EXIT_CODE = 255
+# An init exits with 128 + the signal's number for a command that a signal ended.
+_HIGHEST_PLAIN_EXIT_CODE = 128
 
 
 class ForkServerDiedError(OSError):
@@ -39,12 +42,15 @@ class ForkServerDiedError(OSError):
 
 
 class ForkedProcess:
-    """A job's launcher, forked by the fork server and re-parented to this process: `pid`,
-    `returncode` and `wait()` as an `asyncio.subprocess.Process` has them."""
+    """A job's first process (its launcher, or its namespace's init), forked by the fork server
+    as this process's child: `pid`, `returncode` and `wait()` as an `asyncio.subprocess.Process`
+    has them."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, end_path: str | None = None) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        # An init's: where it left the wait status of a command that a signal ended.
+        self._end_path = end_path
         self._exited = asyncio.Event()
         # Readable when the process exits (opened before anything may reap it).
         self._pidfd = os.pidfd_open(pid)
@@ -64,8 +70,30 @@ class ForkedProcess:
             return
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
-        self.returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
+        returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
+        if self._end_path is not None and not 0 <= returncode <= _HIGHEST_PLAIN_EXIT_CODE:
+            returncode = _command_end(self._end_path, returncode)
+        self.returncode = returncode
         self._exited.set()
+
+    @property
+    def namespace_init(self) -> bool:
+        """Whether this is its PID namespace's init (no launcher: zygote.py): once it has
+        exited, nothing of the job is left."""
+        return self._end_path is not None
+
+
+def _command_end(end_path: str, returncode: int) -> int:
+    """How the command of an init that exited with `returncode` ended: by the signal whose wait
+    status the init left in `end_path` (zygote.py: `become_init`), or as the init did."""
+    try:
+        with open(end_path, "rb") as end:
+            status = int(end.read())
+    except (OSError, ValueError):
+        return returncode  # none left: the command's own exit code (or the init was killed)
+    with contextlib.suppress(OSError):
+        os.unlink(end_path)
+    return os.waitstatus_to_exitcode(status)
 
 
 def _reap_later(pid: int) -> None:
@@ -94,6 +122,10 @@ class ForkServer:
         self._forked: dict[int, int] = {}  # job: launcher pid, until it is reported started
         # Jobs stopped before their launcher was forked: it gets SIGTERM when it is.
         self._stop_when_forked: dict[int, Containment] = {}
+        # Jobs forked as their namespace's init (no launcher), until reported started.
+        self._inits: set[int] = set()
+        # Where the inits leave how a command that a signal ended did end (zygote.py).
+        self._ends_dir: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -112,6 +144,8 @@ class ForkServer:
         }
         # Marked as the jobs' processes are: the guardian kills it and its launchers too.
         env[SUPERVISOR_TOKEN_ENV_VAR] = self._supervisor_token
+        if self._ends_dir is None:
+            self._ends_dir = tempfile.mkdtemp(prefix="jobs-server-ends-")
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -121,6 +155,7 @@ class ForkServer:
                 ZYGOTE_SOURCE,
                 str(os.getpid()),
                 "1" if self._clone_parent else "0",
+                self._ends_dir,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -188,6 +223,10 @@ class ForkServer:
         if process is not None:
             self._died()
             process.wait()
+        if self._ends_dir is not None:
+            # Only if empty: an init that ends later leaves its file there, read when it is reaped.
+            with contextlib.suppress(OSError):
+                os.rmdir(self._ends_dir)
 
     def _send(self, data: bytes) -> None:
         self._unsent += data
@@ -224,13 +263,17 @@ class ForkServer:
             what, job_number, detail = (line + b" ").split(b" ", 2)
             job = int(job_number)
             if what == b"forked":
-                self._forked[job] = int(detail)
+                launched, _, shape = detail.strip().partition(b" ")
+                self._forked[job] = int(launched)
+                if shape == b"init":
+                    self._inits.add(job)
                 if job in self._stop_when_forked:
                     self._stop_starting(job, self._stop_when_forked.pop(job))
             elif what == b"started":
                 self._started(job)
             else:
                 self._stop_when_forked.pop(job, None)
+                self._inits.discard(job)
                 pid = self._forked.pop(job, None)
                 if pid is not None:
                     _reap_later(pid)  # the launcher that could not exec its shell
@@ -239,8 +282,13 @@ class ForkServer:
     def _started(self, job: int) -> None:
         pid = self._forked.pop(job)
         started = self._starting.pop(job)
+        end_path = None
+        if job in self._inits:
+            self._inits.discard(job)
+            assert self._ends_dir is not None
+            end_path = os.path.join(self._ends_dir, str(job))
         try:
-            process = ForkedProcess(pid)
+            process = ForkedProcess(pid, end_path=end_path)
         except OSError as error:  # reaped by someone else already: its exit code is lost
             if not started.done():
                 started.set_exception(error)
@@ -278,4 +326,5 @@ class ForkServer:
         self._starting.clear()
         self._forked.clear()
         self._stop_when_forked.clear()
+        self._inits.clear()
         process.poll()  # reaped now if it has ended; else by the supervisor's orphan reaping

@@ -164,11 +164,10 @@ def signal_job_processes(
     """Send `sig` to every process of the job at once; return how many were signalled.
 
     At once, because a shell that sees its child die before it is signalled itself runs its
-    next command. In a PID namespace, the launcher (`root_pid`) passes the signal to the
-    namespace's init, which sends it to the whole namespace in one call (SIGKILL to the
-    launcher's group, itself and the init, ends the namespace). Without one, the command's
-    process group first (one call, the processes a shell waits for), then every other process
-    it owns.
+    next command. In a PID namespace, the init (`root_pid`, or the launcher there that passes
+    the signal to it) sends it to the whole namespace in one call (SIGKILL to its group ends
+    the namespace). Without one, the command's process group first (one call, the processes a
+    shell waits for), then every other process it owns.
 
     What is signalled one by one goes parents first: a process that has a SIGKILL pending runs
     no more code, so no shell is left to see its child die (the supervisor may be preempted
@@ -234,21 +233,29 @@ def has_exited(process: CommandProcess) -> bool:
 
 def command_has_ended(process: CommandProcess, containment: Containment) -> bool:
     """Whether the command has ended: `has_exited`, or in a PID namespace, its shell has. What
-    waits for the shell outlives it a moment: the init reaps it and reports its status, the
-    launcher reads that and exits as it did; on a busy node that is long enough for a stop to
+    waits for the shell outlives it a moment: the init reaps it and exits as it did (or reports
+    its status to a launcher, which exits so); on a busy node that is long enough for a stop to
     come in it, and the stop would find nothing left to stop."""
     if has_exited(process):
         return True
     if containment != Containment.PID_NAMESPACE:
         return False  # the process is the shell itself
-    # The launcher's one child is the init, there from before the command was reported started;
-    # the init's first child is the shell (the others are orphans it adopted).
+    # The process is the init (zygote.py), or a launcher whose one child is the init, there
+    # from before the command was reported started. The init's first child is the shell (the
+    # others are orphans it adopted).
+    inits = [process.pid] if is_namespace_init(process) else _children(process.pid)
     return not any(
         _is_alive(child) and _namespace_pid(child) in (COMMAND_NAMESPACE_PID, None)
-        for init in _children(process.pid)
+        for init in inits
         if _is_alive(init)
         for child in _children(init)
     )
+
+
+def is_namespace_init(process: CommandProcess) -> bool:
+    """Whether the command's process is its PID namespace's init (a fork server's, with no
+    launcher: zygote.py), not a launcher or the shell."""
+    return bool(getattr(process, "namespace_init", False))
 
 
 def _namespace_pid(pid: int) -> int | None:
@@ -265,12 +272,13 @@ def _namespace_pid(pid: int) -> int | None:
 
 
 def ended_with_its_namespace(process: CommandProcess, containment: Containment) -> bool:
-    """Whether nothing of the command can be left: its launcher exited (not killed by a
-    signal) after its PID namespace's init, whose end killed and reaped the whole namespace."""
+    """Whether nothing of the command can be left: its PID namespace's init has exited (the
+    process itself, or the launcher that exited, not killed by a signal, after it), and the
+    init's end killed and reaped the whole namespace."""
     return (
         containment == Containment.PID_NAMESPACE
         and process.returncode is not None
-        and process.returncode >= 0
+        and (process.returncode >= 0 or is_namespace_init(process))
     )
 
 

@@ -1,33 +1,39 @@
 """The fork server's own code: a small standard-library Python process (run with `python -I -S
--c`, as the launcher, so a worker node needs nothing installed) that forks one launcher per job
+-c`, as the launcher, so a worker node needs nothing installed) that forks what runs each job
 instead of starting an interpreter per job (fork_server.py is the supervisor's side of it).
 
     supervisor ─► fork server (one per supervisor, single-threaded)
-              │     └┄► (cloned as its parent's child: CLONE_PARENT)
-              └─► launcher (one per job: what `containment.LAUNCHER_SOURCE` does)
-                    └─► init ─► /bin/sh -c <entrypoint>   (or the shell itself: marker)
+              │     └┄► (clones each job's first process as its parent's child: CLONE_PARENT)
+              ├─► init of the job's PID namespace ─► /bin/sh -c <entrypoint>
+              └─► or a launcher (`containment.LAUNCHER_SOURCE`'s way) ─► init ─► /bin/sh -c
+                  (or the shell itself, marker containment)
 
-The launcher is the supervisor's child, as a launcher the supervisor starts itself is: the
-supervisor reaps it (and learns its exit from a pidfd), signals and finds it as its child, and a
-job outlives a fork server that dies. The fork server clones it with CLONE_PARENT (the child of
-its own parent) where it can; else (a seccomp filter refuses the clone, an architecture whose
-clone is not listed here) it forks it twice, and the fork between exits at once so that the
-launcher is re-parented to the supervisor (a child subreaper). On this kind of host (a VM) a fork
-of this interpreter costs about 0.9 ms of CPU, a sixth of a short job's launch.
+A job's first process is the supervisor's child, as a launcher the supervisor starts itself is:
+the supervisor reaps it (and learns its exit from a pidfd), signals and finds it as its child,
+and a job outlives a fork server that dies. In a PID namespace, that process is the namespace's
+init itself, cloned into its namespace (CLONE_NEWPID) with no launcher between: an init cannot
+end by a signal, so for a command that a signal ended it leaves the wait status in a file of the
+fork server's `ends` directory, which the supervisor reads (`become_init`). On this kind of host
+(a VM) each copy of this interpreter costs about 0.7 ms of CPU to fork and end, and a launcher
+was one per job. Where a clone is refused (a seccomp filter, an architecture whose clone is not
+listed here), a launcher forks the init, as `LAUNCHER_SOURCE` does; where even the plain clone
+is, the launcher is forked twice, and the fork between exits at once so that the launcher is
+re-parented to the supervisor (a child subreaper).
 
 It reads requests on its stdin, each `<length>\\n` then NUL-separated fields: the job's number,
 its containment, the shell, the log's path, the entrypoint and the `NAME=value` of its
 environment. It answers on its stdout, a line each:
 
     forked <job> <pid>       the launcher's pid (written as it is cloned, before `started`)
+    forked <job> <pid> init  the init's pid: the job's namespace has no launcher
     started <job>            the command runs (its shell has exec'd)
     failed <job> <reason>    it could not start (the log would not open, no shell to exec)
 
 It dies with the supervisor (its parent-death signal, armed then checked, and EOF on its stdin).
 It is in a session of its own, which the jobs it forks share, each in a process group of its
 own (a stop of a job never reaches it; containment.py says why not a session per job). Like the
-jobs' processes, it carries the supervisor's marker (and so do the launchers it forks, whose
-environment is its own): the guardian kills them all if the supervisor dies.
+jobs' processes, it carries the supervisor's marker (and so do the launchers and inits it forks,
+whose environment is its own): the guardian kills them all if the supervisor dies.
 """
 
 from __future__ import annotations
@@ -58,7 +64,7 @@ def report(*words):
         line = line[os.write(REPORTS, line):]
 
 
-def become_launcher(containment, shell, entrypoint, log, started_w, env):
+def leave_the_fork_server(log):
     # Keeps nothing of the fork server.
     for fd in (poller.fileno(), *starting):
         os.close(fd)
@@ -70,6 +76,10 @@ def become_launcher(containment, shell, entrypoint, log, started_w, env):
     os.dup2(log, 2)
     os.close(log)
     os.close(devnull)
+
+
+def become_launcher(containment, shell, entrypoint, log, started_w, env):
+    leave_the_fork_server(log)
     if containment == "pid_namespace":
         launch_in_namespace(shell, entrypoint, started_w, env)  # never returns
     for sig in DEFAULTED:
@@ -89,25 +99,50 @@ SYS_CLONE = {"x86_64": 56, "aarch64": 220}.get(os.uname().machine)
 libc.syscall.restype = ctypes.c_long
 # argv[2]: "0" to fork between always (the tests of that way).
 can_clone_parent = SYS_CLONE is not None and sys.argv[2] != "0"
+can_clone_init = can_clone_parent
+# Where an init writes how a command that a signal ended did end (`become_init`).
+ENDS_DIR = sys.argv[3]
 
 
-def clone_parent():
-    # Fork a child of this process's parent (the supervisor): its pid here, 0 in the child; -1
-    # if the clone was refused. The child is this single-threaded interpreter's copy, as after a
-    # fork, without Python's after-fork hooks (none are registered here; a launcher only execs,
-    # forks and signals by pid).
+def clone_parent(flags=0):
+    # Fork a child of this process's parent (the supervisor), with the clone `flags` besides:
+    # its pid here, 0 in the child; -1 if the clone was refused. The child is this
+    # single-threaded interpreter's copy, as after a fork, without Python's after-fork hooks
+    # (none are registered here; a launcher or an init only execs, spawns, forks and signals
+    # by pid).
     global can_clone_parent
     if can_clone_parent:
         # Every argument a long: the call is variadic, and a stack pointer that is not zero in
         # all of its 64 bits would be the child's stack.
         zero = ctypes.c_long(0)
         pid = libc.syscall(
-            ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT), zero, zero, zero, zero
+            ctypes.c_long(SYS_CLONE), ctypes.c_long(CLONE_PARENT | flags), zero, zero, zero, zero
         )
         if pid >= 0:
             return pid
-        can_clone_parent = False  # refused here: the fork between from now on
+        if not flags:
+            can_clone_parent = False  # refused here: the fork between from now on
     return -1
+
+
+def become_init(shell, entrypoint, log, started_w, env, end_path):
+    # The init of the job's own PID namespace, cloned as the supervisor's child: no launcher
+    # between (a copy of this interpreter less per job). It ends as the command did, but an
+    # init cannot end by a signal of its own (the kernel drops it): for a command that a
+    # signal ended, it writes the command's wait status to `end_path` for the supervisor and
+    # exits with 128 + the signal's number (what the supervisor reads without the file).
+    leave_the_fork_server(log)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor's death (its guardian too)
+    status = run_init(shell, entrypoint, started_w, env)
+    if os.WIFSIGNALED(status):
+        try:
+            end = os.open(end_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            os.write(end, b"%d" % status)
+            os.close(end)
+        except OSError:
+            pass  # the exit code says 128 + the signal
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status))  # and with the init, the kernel kills what is left
 
 
 def launch(job, containment, shell, entrypoint, log, started_r, started_w, env):
@@ -145,11 +180,29 @@ def start(frame):
     started_r, started_w = os.pipe()
     launch_args = (job, containment.decode(), os.fsdecode(shell), os.fsdecode(entrypoint),
                    log, started_r, started_w, env)
-    # Held until the launcher has its handlers: a stop right after the start is not lost.
+    # Held until the launcher (or the init) has its handlers: a stop right after the start is
+    # not lost.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    launcher = clone_parent()
-    if launcher == 0:
-        launch(*launch_args)
+    shape = b""
+    launcher = -1
+    global can_clone_init
+    if containment == b"pid_namespace" and can_clone_init:
+        launcher = clone_parent(CLONE_NEWPID)
+        can_clone_init = launcher >= 0  # else refused here: a launcher from now on
+        if launcher == 0:
+            try:
+                os.close(started_r)
+                become_init(*launch_args[2:4], log, started_w, env,
+                            os.path.join(ENDS_DIR, os.fsdecode(job)))
+            except BaseException as error:
+                os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
+                os._exit(127)
+        shape = b" init"
+    if launcher < 0:
+        shape = b""
+        launcher = clone_parent()
+        if launcher == 0:
+            launch(*launch_args)
     between = -1
     if launcher < 0:
         try:
@@ -166,7 +219,7 @@ def start(frame):
         report(b"failed", job, reason)
         return
     if launcher > 0:
-        report(b"forked", job, b"%d" % launcher)
+        report(b"forked", job, b"%d%s" % (launcher, shape))
     else:
         os.waitpid(between, 0)  # it exits as soon as it has forked
     starting[started_r] = [job, b""]
