@@ -83,9 +83,11 @@ METHOD_NOTES = [
     "Seen RUNNING, sampled at the same moments: `GET /api/jobs/?status=RUNNING`, counting those "
     "still RUNNING (for information: a `true` job ends within 0.1 s of its start, before its "
     "start is written, so it goes from PENDING to SUCCEEDED and is never seen RUNNING).",
-    "Commands alive, sampled at the same moments: the launcher processes of contained jobs "
-    "(each job's command runs under one, from its start to its end; its init, a fork with the "
-    "same command line, is not counted), an independent count of what ran at once. Only the "
+    "Commands alive, sampled at the same moments: the first processes of contained jobs with "
+    "a child (the namespace's init with its shell, or a launcher with its init: each job's "
+    "command runs under one, from its start to its end; the fork server, with the same command "
+    "line, leads its session and is not counted), an independent count of what ran at once. "
+    "Only the "
     "supervisors' children are read (a scan of every process on the machine every 100 ms took "
     "a share of the two cores being measured).",
     "RSS: the server process and its children, sampled with the running jobs; growth: the "
@@ -104,23 +106,25 @@ METHOD_NOTES = [
 ]
 
 
-# In the command line of the launcher that starts a contained job (containment.py): with the
-# init it forks (the same command line), one pair per job whose command runs. A supervisor's fork
-# server (zygote.py), whose forks the launchers are, has it too, but no init under it.
+# In the command line of a contained job's first process (containment.py): its namespace's
+# init, cloned by the supervisor's fork server (zygote.py), or a launcher with the init under
+# it. The fork server itself has it too, but leads its session, and has no child of its own
+# (unless a clone is refused).
 LAUNCHER_MARK = "CLONE_NEWPID"
 
 
 def commands_running(supervisors: list[psutil.Process]) -> int:
-    """Jobs whose command runs now, counted by their launcher processes (contained jobs): each
-    is a supervisor's child that carries the mark and has a marked child (its namespace's
-    init). Only the supervisors' children are read: a scan of every process on the machine
-    every sample took a share of the cores being measured."""
+    """Jobs whose command runs now, counted by their first processes (contained jobs): each is
+    a supervisor's child that carries the mark, does not lead its session (the fork server
+    does), and has a child (the init's shell, or the launcher's init). Only the supervisors'
+    children are read: a scan of every process on the machine every sample took a share of the
+    cores being measured."""
     count = 0
     for supervisor in supervisors:
         with contextlib.suppress(psutil.Error):
             for child in supervisor.children():
-                with contextlib.suppress(psutil.Error):
-                    if _is_marked(child) and any(_is_marked(c) for c in child.children()):
+                with contextlib.suppress(psutil.Error, OSError):
+                    if _is_marked(child) and os.getsid(child.pid) != child.pid and child.children():
                         count += 1
     return count
 
@@ -381,7 +385,7 @@ def render(
             "for information",
         ),
         (
-            "most job commands alive at once (sampled: launcher processes)",
+            "most job commands alive at once (sampled: their first processes)",
             "—",
             f"{commands:.0f}",
             f"≤ {cap}",

@@ -6,9 +6,12 @@ double forks, `env -i`), and when the namespace's first process (its init) ends,
 kills every other one and waits for them: nothing of a job outlives it. Slurm, Nomad and
 container runtimes contain jobs the same way.
 
-The command is started through a small launcher (`LAUNCHER_SOURCE`, standard-library Python run
-with `python -I -S -c`, so a worker node needs nothing installed; a supervisor forks it from its
-fork server instead, zygote.py, which runs the same `LAUNCH_SOURCE`):
+A supervisor's fork server (zygote.py, which runs the same `LAUNCH_SOURCE`) clones the init
+itself into the job's new namespace, as the supervisor's child, with no launcher: the init ends
+as the command did (for a command a signal ended, which no init can do itself, through a file
+the supervisor reads). Without a fork server, or where that clone is refused, the command is
+started through a small launcher (`LAUNCHER_SOURCE`, standard-library Python run with
+`python -I -S -c`, so a worker node needs nothing installed):
 
     supervisor ─► launcher (this node's PID namespace; the process the supervisor awaits)
                     └─► init (pid 1 of the job's namespace)
