@@ -43,7 +43,7 @@ from jobs_server.manager.containment import LAUNCH_SOURCE
 ZYGOTE_SOURCE = (
     LAUNCH_SOURCE
     + r"""
-import select
+import errno, select
 
 REQUESTS, REPORTS = 0, 1
 LOG_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
@@ -100,6 +100,9 @@ libc.syscall.restype = ctypes.c_long
 # argv[2]: "0" to fork between always (the tests of that way).
 can_clone_parent = SYS_CLONE is not None and sys.argv[2] != "0"
 can_clone_init = can_clone_parent
+# What a clone that this host will never allow fails with (a seccomp filter, no such call);
+# anything else (too many processes now) fails this job's start only.
+REFUSALS = {errno.EPERM, errno.EINVAL, errno.ENOSYS}
 # Where an init writes how a command that a signal ended did end (`become_init`).
 ENDS_DIR = sys.argv[3]
 
@@ -110,7 +113,7 @@ def clone_parent(flags=0):
     # single-threaded interpreter's copy, as after a fork, without Python's after-fork hooks
     # (none are registered here; a launcher or an init only execs, spawns, forks and signals
     # by pid).
-    global can_clone_parent
+    global can_clone_parent, can_clone_init
     if can_clone_parent:
         # Every argument a long: the call is variadic, and a stack pointer that is not zero in
         # all of its 64 bits would be the child's stack.
@@ -120,8 +123,9 @@ def clone_parent(flags=0):
         )
         if pid >= 0:
             return pid
-        if not flags:
-            can_clone_parent = False  # refused here: the fork between from now on
+        if not flags and ctypes.get_errno() in REFUSALS:
+            # Refused here: the fork between from now on.
+            can_clone_parent = can_clone_init = False
     return -1
 
 
@@ -188,7 +192,8 @@ def start(frame):
     global can_clone_init
     if containment == b"pid_namespace" and can_clone_init:
         launcher = clone_parent(CLONE_NEWPID)
-        can_clone_init = launcher >= 0  # else refused here: a launcher from now on
+        if launcher < 0 and ctypes.get_errno() in REFUSALS:
+            can_clone_init = False  # refused here: a launcher from now on
         if launcher == 0:
             try:
                 os.close(started_r)
