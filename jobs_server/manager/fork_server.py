@@ -1,10 +1,11 @@
 """The supervisor's side of its fork server (zygote.py): one process, started once, forks the
-launcher of every job, where starting an interpreter per job cost most of a short job's CPU.
+first process of every job (its namespace's init, or a launcher), where starting an interpreter
+per job cost most of a short job's CPU.
 
-Each launcher is the supervisor's child (cloned as such, or re-parented to it: the supervisor
-must be a child subreaper; zygote.py says why both): the supervisor reaps it (woken by a pidfd
-on the event loop: no thread per child, no `Popen` per job), and a `ForkedProcess` stands in for
-the `asyncio.subprocess.Process` a launcher it starts itself would be. One reader of the fork
+Each job's first process is the supervisor's child (cloned as such, or re-parented to it: the
+supervisor must be a child subreaper; zygote.py says why both): the supervisor reaps it (woken by
+a pidfd on the event loop: no thread per child, no `Popen` per job), and a `ForkedProcess` stands
+in for the `asyncio.subprocess.Process` a launcher it starts itself would be. One reader of the fork
 server's reports feeds them. If the fork server dies, the jobs it started run on; a job it was
 starting is killed and fails to start, and the next job starts a new fork server.
 """
@@ -103,7 +104,7 @@ def _reap_later(pid: int) -> None:
 
 
 class ForkServer:
-    """Starts jobs' launchers through one fork server, which it (re)starts when needed."""
+    """Starts jobs through one fork server, which it (re)starts when needed."""
 
     def __init__(
         self, supervisor_token: str, *, shell: str = SHELL, clone_parent: bool = True
