@@ -37,7 +37,7 @@ async def subreaper_fork_server(
     shell: str = SHELL, *, clone_parent: bool = True
 ) -> AsyncIterator[ForkServer]:
     """A started fork server of this test process, made a child subreaper meanwhile (as a
-    supervisor is): the launchers are its children (`clone_parent`), or re-parented to it."""
+    supervisor is): each job's first process is its child (`clone_parent`), or re-parented to it."""
     assert become_child_subreaper()
     server = ForkServer("fork-server-test", shell=shell, clone_parent=clone_parent)
     server.start()

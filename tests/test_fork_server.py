@@ -18,6 +18,7 @@ import pytest
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkedProcess, ForkServer
 from jobs_server.manager.process import (
+    _namespace_pid,
     command_has_ended,
     find_job_processes,
     kill_job_processes,
@@ -37,8 +38,9 @@ PYTHON = os.path.realpath(sys.executable)
 
 @pytest.fixture(params=[True, False], ids=["cloned", "forked-between"])
 async def forks(request: pytest.FixtureRequest) -> AsyncIterator[ForkServer]:
-    """Each test with a launcher cloned as the supervisor's child, and with one forked twice
-    (the way where the clone is refused)."""
+    """Each test with the job's first process cloned as the supervisor's child (in a PID
+    namespace, the namespace's init itself), and with a launcher forked twice (the way where
+    the clone is refused)."""
     async with subreaper_fork_server(clone_parent=request.param) as server:
         yield server
 
@@ -172,11 +174,6 @@ async def test_a_command_has_ended_once_its_shell_has_even_while_its_waiter_is_h
         finally:
             waiter.resume()
         assert await asyncio.wait_for(process.wait(), 30) == 0
-
-
-def _namespace_pid(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(status.split("NSpid:")[1].split("\n")[0].split()[-1])
 
 
 def scheduling_group(pid: int) -> tuple[int, str]:

@@ -149,22 +149,23 @@ def become_init(shell, entrypoint, log, started_w, env, end_path):
     os._exit(os.WEXITSTATUS(status))  # and with the init, the kernel kills what is left
 
 
-def launch(job, containment, shell, entrypoint, log, started_r, started_w, env):
-    # In the launcher: it never returns.
+def become(started_r, started_w, what, *args):
+    # In a job's first process (the launcher or the init): it never returns; what keeps it from
+    # becoming `what` is the start's error.
     try:
         os.close(started_r)
-        become_launcher(containment, shell, entrypoint, log, started_w, env)
+        what(*args)
     except BaseException as error:
         os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
         os._exit(127)
 
 
-def fork_launcher(job, containment, shell, entrypoint, log, started_r, started_w, env):
+def fork_launcher(job, started_r, started_w, launcher_args):
     # In the fork between: its exit re-parents the launcher to the supervisor.
     try:
         launcher = os.fork()
         if launcher == 0:
-            launch(job, containment, shell, entrypoint, log, started_r, started_w, env)
+            become(started_r, started_w, become_launcher, *launcher_args)
         os.write(REPORTS, b"forked %s %d\n" % (job, launcher))
     except BaseException as error:
         os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
@@ -173,6 +174,7 @@ def fork_launcher(job, containment, shell, entrypoint, log, started_r, started_w
 
 
 def start(frame):
+    global can_clone_init
     fields = frame.split(b"\0")
     job, containment, shell, log_path, entrypoint = fields[:5]
     env = dict(item.split(b"=", 1) for item in fields[5:])
@@ -182,49 +184,42 @@ def start(frame):
         report(b"failed", job, str(error).encode())
         return
     started_r, started_w = os.pipe()
-    launch_args = (job, containment.decode(), os.fsdecode(shell), os.fsdecode(entrypoint),
-                   log, started_r, started_w, env)
-    # Held until the launcher (or the init) has its handlers: a stop right after the start is
+    shell, entrypoint = os.fsdecode(shell), os.fsdecode(entrypoint)
+    launcher_args = (containment.decode(), shell, entrypoint, log, started_w, env)
+    # Held until the job's first process has its handlers: a stop right after the start is
     # not lost.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
-    shape = b""
-    launcher = -1
-    global can_clone_init
+    first = -1  # the job's first process: its namespace's init, else a launcher
     if containment == b"pid_namespace" and can_clone_init:
-        launcher = clone_parent(CLONE_NEWPID)
-        if launcher < 0 and ctypes.get_errno() in REFUSALS:
+        first = clone_parent(CLONE_NEWPID)
+        if first == 0:
+            end_path = os.path.join(ENDS_DIR, os.fsdecode(job))
+            become(started_r, started_w, become_init,
+                   shell, entrypoint, log, started_w, env, end_path)
+        if first < 0 and ctypes.get_errno() in REFUSALS:
             can_clone_init = False  # refused here: a launcher from now on
-        if launcher == 0:
-            try:
-                os.close(started_r)
-                become_init(*launch_args[2:4], log, started_w, env,
-                            os.path.join(ENDS_DIR, os.fsdecode(job)))
-            except BaseException as error:
-                os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
-                os._exit(127)
-        shape = b" init"
-    if launcher < 0:
-        shape = b""
-        launcher = clone_parent()
-        if launcher == 0:
-            launch(*launch_args)
+    is_init = first > 0
+    if first < 0:
+        first = clone_parent()
+        if first == 0:
+            become(started_r, started_w, become_launcher, *launcher_args)
     between = -1
-    if launcher < 0:
+    if first < 0:
         try:
             between = os.fork()
         except OSError as error:
             reason = str(error).encode()
         if between == 0:
-            fork_launcher(*launch_args)
+            fork_launcher(job, started_r, started_w, launcher_args)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.close(log)
     os.close(started_w)
-    if launcher < 0 and between < 0:
+    if first < 0 and between < 0:
         os.close(started_r)
         report(b"failed", job, reason)
         return
-    if launcher > 0:
-        report(b"forked", job, b"%d%s" % (launcher, shape))
+    if first > 0:
+        report(b"forked", job, b"%d%s" % (first, b" init" if is_init else b""))
     else:
         os.waitpid(between, 0)  # it exits as soon as it has forked
     starting[started_r] = [job, b""]
