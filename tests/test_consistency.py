@@ -34,6 +34,8 @@ from tests.conftest import (
     wait_for_server,
     wait_for_status,
 )
+from tests.managers import running_manager
+from tests.test_queue import until_status
 
 Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
@@ -339,6 +341,49 @@ async def test_stop_right_after_submit_always_ends_stopped(client: Client) -> No
         ):
             wrong.append((job_id, seen))
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
+
+
+@pytest.mark.parametrize("read", ["get", "list"])
+async def test_a_read_that_meets_the_end_archived_and_forgotten_between_its_two_reads_says_so(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read: str
+) -> None:
+    """Item 5, at the reads: a read takes the archive's row (RUNNING), then the KV's state. A
+    job that ends, is archived and is forgotten in the KV between the two reads reads as ended,
+    never as the RUNNING row it started from (CI once saw RUNNING after STOPPED this way)."""
+    namespace = f"consistency_{uuid.uuid4().hex[:8]}"
+    try:
+        async with running_manager(ray_connection, namespace, tmp_path / "state") as (
+            manager,
+            archive,
+        ):
+            running = JobSpec(entrypoint="sleep 1000", submission_id="between")
+            await manager.submit_job(running)
+            await until_status(manager, "between", {JobStatus.RUNNING})
+            store = manager._store
+            read_the_kv = store.current
+
+            async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
+                if any(record.submission_id == "between" for record in records):
+                    monkeypatch.setattr(store, "current", read_the_kv)
+                    await manager.stop_job("between")
+                    deadline = time.monotonic() + 60
+                    while (await read_the_kv(records)).get("between") is not None:
+                        assert time.monotonic() < deadline, "the end was never forgotten"
+                        await asyncio.sleep(0.05)
+                    archived = await archive.get("between")
+                    assert archived is not None
+                    assert archived.status is JobStatus.STOPPED
+                return await read_the_kv(records)
+
+            monkeypatch.setattr(store, "current", end_between_the_reads)
+            if read == "get":
+                seen = await manager.get_job("between")
+            else:
+                (seen,) = (await manager.list_jobs()).records
+            assert seen.status is JobStatus.STOPPED, seen
+            assert store.current is read_the_kv, "the injection never ran"
+    finally:
+        kill_actors_in_namespace(namespace)
 
 
 async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection: str) -> None:

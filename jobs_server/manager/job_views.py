@@ -49,7 +49,10 @@ class JobViews:
             raise JobNotFoundError(submission_id)
         if archived.status.is_terminal():
             return archived
-        return (await self._store.current([archived])).get(submission_id, archived)
+        (record,) = await self._now([archived])
+        if record is None or not in_scope(record, tenant):
+            raise JobNotFoundError(submission_id)
+        return record
 
     async def page(
         self, query: JobQuery, *, after: str | None, limit: int | None
@@ -104,14 +107,29 @@ class JobViews:
             if not record.status.is_terminal() and job_id not in self._queue
         ]
         try:
-            current = await self._store.current(live) if live else {}
+            now = dict(zip(ids, await self._now(records, live), strict=True))
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
-            current = {}
-        return [
-            await self.with_wait_message(current.get(job_id, record))
-            for record, job_id in zip(records, ids, strict=True)
-        ]
+            now = dict(zip(ids, records, strict=True))
+        return [await self.with_wait_message(record) for record in now.values() if record]
+
+    async def _now(
+        self, rows: list[JobRecord], live: list[JobRecord] | None = None
+    ) -> list[JobRecord | None]:
+        """Each of the archive's `rows` as it is now (None: deleted since): the KV's state of
+        the `live` ones (default: all), over the row. A run the KV no longer has ended and was
+        forgotten after its row was read: it is read again from the archive, which recorded its
+        end before the KV forgot it (else a read could say RUNNING after it said STOPPED)."""
+        live = rows if live is None else live
+        current = await self._store.current(live) if live else {}
+        forgotten = {record.submission_id for record in live} - current.keys()
+        now: list[JobRecord | None] = []
+        for row in rows:
+            job_id = row.submission_id
+            now.append(
+                await self._archive.get(job_id) if job_id in forgotten else current.get(job_id, row)
+            )
+        return now
 
     async def with_wait_message(self, record: JobRecord) -> JobRecord:
         """A queued job says its place and the cap it waits behind; a pending job handed over
