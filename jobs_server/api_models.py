@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -116,10 +117,11 @@ class SubmitJobRequest(BaseModel):
                 raise ValueError(f"{name} is larger than {limit} bytes of JSON")
         return self
 
-    def to_spec(self, default_submission_id: str) -> JobSpec:
+    def to_spec(self, new_submission_id: Callable[[], str]) -> JobSpec:
+        """The job to run; `new_submission_id()` names it if the request did not."""
         return JobSpec(
             entrypoint=self.entrypoint,
-            submission_id=self.submission_id or self.job_id or default_submission_id,
+            submission_id=self.submission_id or self.job_id or new_submission_id(),
             runtime_env=self.runtime_env or {},
             metadata=self.metadata or {},
             entrypoint_num_cpus=self.entrypoint_num_cpus,

@@ -46,7 +46,7 @@ async def submit_job(request: web.Request) -> web.Response:
         request, SubmitJobRequest, max_bytes=request.app[SETTINGS_KEY].max_request_bytes
     )
     record = await request.app[JOB_MANAGER_KEY].submit_job(
-        body.to_spec(new_submission_id()), tenant=request[PRINCIPAL_KEY].tenant
+        body.to_spec(new_submission_id), tenant=request[PRINCIPAL_KEY].tenant
     )
     audit(
         request,
