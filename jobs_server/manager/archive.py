@@ -206,6 +206,7 @@ class Archive:
 
     def _insert_row(self, db: sqlite3.Connection, record: JobRecord) -> list[JobEvent]:
         tenant = record.tenant
+        text = record.model_dump_json()  # the row's and its events' (made once: the GIL's)
         try:
             cursor = db.execute(
                 "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
@@ -217,7 +218,7 @@ class Archive:
                     record.status.value,
                     record.start_time,
                     record.end_time,
-                    record.model_dump_json(),
+                    text,
                 ),
             )
         except sqlite3.IntegrityError:
@@ -226,9 +227,9 @@ class Archive:
             "INSERT INTO job_metadata (seq, key, value) VALUES (?, ?, ?)",
             [(cursor.lastrowid, key, value) for key, value in record.spec.metadata.items()],
         )
-        events = [self._event(db, JobEventType.SUBMITTED, record, tenant)]
+        events = [self._event(db, JobEventType.SUBMITTED, record, tenant, text)]
         if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
-            events.append(self._event(db, JobEventType.STATUS, record, tenant))
+            events.append(self._event(db, JobEventType.STATUS, record, tenant, text))
         return events
 
     async def update(self, record: JobRecord) -> JobRecord | None:
@@ -252,6 +253,7 @@ class Archive:
         status, text, tenant = row
         if JobStatus(status).is_terminal():
             return JobRecord.model_validate_json(text), []
+        text = record.model_dump_json()
         db.execute(
             "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
             " WHERE submission_id = ? AND run_id = ?",
@@ -259,14 +261,14 @@ class Archive:
                 record.status.value,
                 record.start_time,
                 record.end_time,
-                record.model_dump_json(),
+                text,
                 record.submission_id,
                 record.run_id,
             ),
         )
         events = []
         if record.status.value != status:
-            events.append(self._event(db, JobEventType.STATUS, record, tenant))
+            events.append(self._event(db, JobEventType.STATUS, record, tenant, text))
         return record, events
 
     async def delete(self, submission_id: str, run_id: str | None = None) -> bool:
@@ -286,14 +288,22 @@ class Archive:
         if row is None or (run_id is not None and row[0] != run_id):
             return False, []
         db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
-        event = self._add_event(db, JobEventType.DELETED, submission_id, row[1], None, None, None)
+        event = self._add_event(
+            db, JobEventType.DELETED, submission_id, row[1], None, None, None, None
+        )
         return True, [event]
 
     def _event(
-        self, db: sqlite3.Connection, type_: JobEventType, record: JobRecord, tenant: str | None
+        self,
+        db: sqlite3.Connection,
+        type_: JobEventType,
+        record: JobRecord,
+        tenant: str | None,
+        text: str,
     ) -> JobEvent:
+        """An event of `record`, whose JSON `text` the caller has made already."""
         return self._add_event(
-            db, type_, record.submission_id, tenant, record.status, record.message, record
+            db, type_, record.submission_id, tenant, record.status, record.message, record, text
         )
 
     def _add_event(
@@ -305,7 +315,9 @@ class Archive:
         status: JobStatus | None,
         message: str | None,
         record: JobRecord | None,
+        text: str | None,
     ) -> JobEvent:
+        """Add an event; `text`: the JSON of `record` (None without one)."""
         time = now_ms()
         cursor = db.execute(
             "INSERT INTO events (type, submission_id, tenant, status, message, time, record)"
@@ -317,7 +329,7 @@ class Archive:
                 None if status is None else status.value,
                 message,
                 time,
-                None if record is None else record.model_dump_json(),
+                text,
             ),
         )
         assert cursor.lastrowid is not None
