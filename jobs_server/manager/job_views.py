@@ -47,8 +47,8 @@ class JobViews:
         archived = await self._archive.get(submission_id)
         if archived is None or not in_scope(archived, tenant):
             raise JobNotFoundError(submission_id)
-        if archived.status.is_terminal():
-            return archived
+        if archived.status.is_terminal() or submission_id in self._queue:
+            return archived  # a queued job is not in the KV yet
         (record,) = await self._now([archived])
         if record is None or not in_scope(record, tenant):
             raise JobNotFoundError(submission_id)
