@@ -386,6 +386,48 @@ async def test_a_read_that_meets_the_end_archived_and_forgotten_between_its_two_
         kill_actors_in_namespace(namespace)
 
 
+async def test_a_list_leaves_out_the_job_of_another_tenant_that_took_the_id_between_its_reads(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ids do not leak across tenants, at the reads: a list of team-a's jobs takes the row of
+    its running job, which then ends, is deleted, and is submitted again by team-b before the
+    list reads the KV. The list leaves the id out: the run it finds now is not team-a's."""
+    namespace = f"consistency_{uuid.uuid4().hex[:8]}"
+    try:
+        async with running_manager(ray_connection, namespace, tmp_path / "state") as (
+            manager,
+            _,
+        ):
+            await manager.submit_job(
+                JobSpec(entrypoint="sleep 1000", submission_id="taken"), tenant="team-a"
+            )
+            await until_status(manager, "taken", {JobStatus.RUNNING})
+            store = manager._store
+            read_the_kv = store.current
+
+            async def taken_over_between_the_reads(
+                records: list[JobRecord],
+            ) -> dict[str, JobRecord]:
+                if any(record.submission_id == "taken" for record in records):
+                    monkeypatch.setattr(store, "current", read_the_kv)
+                    await manager.stop_job("taken")
+                    await until_status(manager, "taken", {JobStatus.STOPPED})
+                    await manager.delete_job("taken")
+                    await manager.submit_job(
+                        JobSpec(entrypoint="true", submission_id="taken"), tenant="team-b"
+                    )
+                return await read_the_kv(records)
+
+            monkeypatch.setattr(store, "current", taken_over_between_the_reads)
+            seen = (await manager.list_jobs(tenant="team-a")).records
+            assert store.current is read_the_kv, "the injection never ran"
+            assert [(record.submission_id, record.tenant) for record in seen] == []
+            taken = await until_status(manager, "taken", {JobStatus.SUCCEEDED})
+            assert taken.tenant == "team-b"
+    finally:
+        kill_actors_in_namespace(namespace)
+
+
 async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection: str) -> None:
     """Item 5, at the store: a supervisor writing RUNNING, a stop and a failure race on each of
     200 jobs, each through a KV client of its own (as the server and a supervisor have): every

@@ -50,6 +50,8 @@ class JobViews:
         if archived.status.is_terminal() or submission_id in self._queue:
             return archived  # a queued job is not in the KV yet
         (record,) = await self._now([archived])
+        if record is None:  # deleted since, or submitted again: the row as it is now
+            record = await self._archive.get(submission_id)
         if record is None or not in_scope(record, tenant):
             raise JobNotFoundError(submission_id)
         return record
@@ -116,19 +118,22 @@ class JobViews:
     async def _now(
         self, rows: list[JobRecord], live: list[JobRecord] | None = None
     ) -> list[JobRecord | None]:
-        """Each of the archive's `rows` as it is now (None: deleted since): the KV's state of
-        the `live` ones (default: all), over the row. A run the KV no longer has ended and was
-        forgotten after its row was read: it is read again from the archive, which recorded its
-        end before the KV forgot it (else a read could say RUNNING after it said STOPPED)."""
+        """Each of the archive's `rows` as it is now: the KV's state of the `live` ones
+        (default: all), over the row. A run the KV no longer has ended and was forgotten after
+        its row was read: it is read again from the archive, which recorded its end before the
+        KV forgot it (else a read could say RUNNING after it said STOPPED). None: the run is
+        gone from the archive too (deleted since; the id may be another run's now, even
+        another tenant's)."""
         live = rows if live is None else live
         current = await self._store.current(live) if live else {}
         forgotten = {record.submission_id for record in live} - current.keys()
         now: list[JobRecord | None] = []
         for row in rows:
-            job_id = row.submission_id
-            now.append(
-                await self._archive.get(job_id) if job_id in forgotten else current.get(job_id, row)
-            )
+            if row.submission_id not in forgotten:
+                now.append(current.get(row.submission_id, row))
+                continue
+            again = await self._archive.get(row.submission_id)
+            now.append(again if again is not None and again.run_id == row.run_id else None)
         return now
 
     async def with_wait_message(self, record: JobRecord) -> JobRecord:
