@@ -206,7 +206,7 @@ class Archive:
 
     def _insert_row(self, db: sqlite3.Connection, record: JobRecord) -> list[JobEvent]:
         tenant = record.tenant
-        text = record.model_dump_json()  # the row's and its events' (made once: the GIL's)
+        text = record.model_dump_json()  # the row's and its events' JSON, made once
         try:
             cursor = db.execute(
                 "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
@@ -250,9 +250,9 @@ class Archive:
         ).fetchone()
         if row is None:
             return None, []
-        status, text, tenant = row
+        status, stored, tenant = row
         if JobStatus(status).is_terminal():
-            return JobRecord.model_validate_json(text), []
+            return JobRecord.model_validate_json(stored), []
         text = record.model_dump_json()
         db.execute(
             "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"

@@ -128,8 +128,8 @@ class GroupCommit:
         """One transaction (on the archive's thread). The writes run one after another; if one
         fails (a duplicate id: rare), the transaction is rolled back and run again with each
         write under a savepoint, so that the failing one is rolled back alone. Not a savepoint
-        for every write: each statement lets the event loop's thread take the GIL, and two
-        more per write made a batch's commit wait for it twice as often."""
+        for every write: that is two more statements per write, and each statement is a moment
+        where the commit may wait for the event loop's thread to give back the GIL."""
         try:
             return self._transaction(writes, savepoints=False)
         except _WriteFailed:
@@ -141,23 +141,19 @@ class GroupCommit:
         db.execute("BEGIN IMMEDIATE")
         try:
             for write in writes:
-                if not savepoints:
-                    try:
-                        outcomes.append((True, write(db)))
-                    except Exception as error:
-                        if not db.in_transaction:
-                            raise  # SQLite rolled the whole transaction back (a full disk)
-                        raise _WriteFailed from error
-                    continue
-                db.execute("SAVEPOINT write")
+                if savepoints:
+                    db.execute("SAVEPOINT write")
                 try:
                     outcomes.append((True, write(db)))
                 except Exception as error:
                     if not db.in_transaction:
                         raise  # SQLite rolled the whole transaction back (a full disk)
+                    if not savepoints:
+                        raise _WriteFailed from error
                     db.execute("ROLLBACK TO write")
                     outcomes.append((False, error))
-                db.execute("RELEASE write")
+                if savepoints:
+                    db.execute("RELEASE write")
             self._after_each_batch(db)
             db.execute("COMMIT")
         except BaseException:

@@ -101,19 +101,19 @@ class JobViews:
         after the KV): one KV round trip per batch, none for a batch of finished jobs."""
         if all(record.status.is_terminal() for record in records):
             return records
-        ids = [record.submission_id for record in records]
         # Queued jobs are not in the KV yet.
         live = [
             record
-            for record, job_id in zip(records, ids, strict=True)
-            if not record.status.is_terminal() and job_id not in self._queue
+            for record in records
+            if not record.status.is_terminal() and record.submission_id not in self._queue
         ]
+        now: list[JobRecord | None]
         try:
-            now = dict(zip(ids, await self._now(records, live), strict=True))
+            now = await self._now(records, live)
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
-            now = dict(zip(ids, records, strict=True))
-        return [await self.with_wait_message(record) for record in now.values() if record]
+            now = list(records)
+        return [await self.with_wait_message(record) for record in now if record is not None]
 
     async def _now(
         self, rows: list[JobRecord], live: list[JobRecord] | None = None
