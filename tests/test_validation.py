@@ -3,6 +3,8 @@ whose manager is the in-memory fake (tests/fakes.py): no Ray, so these tables co
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -206,6 +208,28 @@ async def test_body_over_the_limit_is_413(
     assert response.status == 413
     assert (await response.json())["error"]["code"] == "payload_too_large"
     assert (await fake.list_jobs()).records == []
+
+
+async def _chunked(body: bytes) -> AsyncIterator[bytes]:
+    """A body sent without Content-Length (Transfer-Encoding: chunked), in pieces."""
+    for start in range(0, len(body), 4096):
+        yield body[start : start + 4096]
+
+
+async def test_chunked_body_is_read_and_held_to_the_limit(
+    fake_client: Client, fake_settings: Settings, fake: FakeJobManager
+) -> None:
+    headers = {"Content-Type": "application/json"}
+    fine = json.dumps({"entrypoint": "echo chunked"}).encode()
+    response = await fake_client.post("/api/jobs/", data=_chunked(fine), headers=headers)
+    assert response.status == 200, await response.text()
+    assert [r.spec.entrypoint for r in (await fake.list_jobs()).records] == ["echo chunked"]
+
+    huge = json.dumps({"entrypoint": "x" * fake_settings.max_request_bytes}).encode()
+    response = await fake_client.post("/api/jobs/", data=_chunked(huge), headers=headers)
+    assert response.status == 413
+    assert (await response.json())["error"]["code"] == "payload_too_large"
+    assert len((await fake.list_jobs()).records) == 1
 
 
 async def test_unknown_route_and_method_are_json(fake_client: Client) -> None:
