@@ -428,6 +428,46 @@ async def test_a_list_leaves_out_the_job_of_another_tenant_that_took_the_id_betw
         kill_actors_in_namespace(namespace)
 
 
+@pytest.mark.parametrize("then", ["ended", "deleted"])
+async def test_a_count_that_meets_the_end_archived_and_forgotten_between_its_two_reads_says_so(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    """Item 5, at the counts (`/metrics`): a count takes the archive's counts (the job RUNNING),
+    then the KV's state of the live jobs. A job that ends, is archived and is forgotten in the
+    KV between the two reads is counted as it ended (or, deleted meanwhile, not at all), never
+    as the RUNNING it was counted as first."""
+    namespace = f"consistency_{uuid.uuid4().hex[:8]}"
+    try:
+        async with running_manager(ray_connection, namespace, tmp_path / "state") as (
+            manager,
+            _,
+        ):
+            await manager.submit_job(JobSpec(entrypoint="sleep 1000", submission_id="counted"))
+            await until_status(manager, "counted", {JobStatus.RUNNING})
+            store = manager._store
+            read_the_kv = store.current
+
+            async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
+                if any(record.submission_id == "counted" for record in records):
+                    monkeypatch.setattr(store, "current", read_the_kv)
+                    await manager.stop_job("counted")
+                    await until_status(manager, "counted", {JobStatus.STOPPED})
+                    deadline = time.monotonic() + 60
+                    while (await read_the_kv(records)).get("counted") is not None:
+                        assert time.monotonic() < deadline, "the end was never forgotten"
+                        await asyncio.sleep(0.05)
+                    if then == "deleted":
+                        await manager.delete_job("counted")
+                return await read_the_kv(records)
+
+            monkeypatch.setattr(store, "current", end_between_the_reads)
+            counts = await manager.count_by_status()
+            assert store.current is read_the_kv, "the injection never ran"
+            assert counts == ({JobStatus.STOPPED: 1} if then == "ended" else {})
+    finally:
+        kill_actors_in_namespace(namespace)
+
+
 async def test_racing_writers_agree_on_the_first_terminal_status(ray_connection: str) -> None:
     """Item 5, at the store: a supervisor writing RUNNING, a stop and a failure race on each of
     200 jobs, each through a KV client of its own (as the server and a supervisor have): every

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 from jobs_server.manager.archive import Archive
-from jobs_server.manager.records import JobStatus
+from jobs_server.manager.records import JobRecord, JobStatus
 from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
@@ -31,17 +31,30 @@ async def count_jobs_by_tenant(
         logger.warning("reading live jobs from the KV failed", exc_info=True)
         return counts
     for before in unfinished:
-        now = current.get(before.submission_id, before)
-        if before.status is not now.status:
-            of_tenant = counts.setdefault(before.tenant, {})
-            left = of_tenant.get(before.status, 0) - 1
-            # As the archive's own counts: a status no job has is not there (not a 0).
-            if left:
-                of_tenant[before.status] = left
-            else:
-                of_tenant.pop(before.status, None)
-            of_tenant[now.status] = of_tenant.get(now.status, 0) + 1
+        now = current.get(before.submission_id)
+        if now is None:
+            # Ended, archived and forgotten in the KV since the counts were read: its row is
+            # what it is now (None: deleted since, or the id is another run's: not counted).
+            again = await archive.get(before.submission_id)
+            now = again if again is not None and again.run_id == before.run_id else None
+        if now is None or before.status is not now.status:
+            _move(counts, before, now)
     return counts
+
+
+def _move(counts: Counts, before: JobRecord, now: JobRecord | None) -> None:
+    """Count the job by its status `now` (None: not at all) rather than `before`."""
+    of_tenant = counts.setdefault(before.tenant, {})
+    left = of_tenant.get(before.status, 0) - 1
+    # As the archive's own counts: a status no job has is not there (not a 0).
+    if left:
+        of_tenant[before.status] = left
+    else:
+        of_tenant.pop(before.status, None)
+    if now is not None:
+        of_tenant[now.status] = of_tenant.get(now.status, 0) + 1
+    elif not of_tenant:
+        del counts[before.tenant]
 
 
 def total_by_status(counts: Counts) -> dict[JobStatus, int]:
