@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.errors import JobNotFoundError
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
+from jobs_server.manager.job_manager import JobManager
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
@@ -343,6 +345,20 @@ async def test_stop_right_after_submit_always_ends_stopped(client: Client) -> No
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
 
 
+async def _stop_until_forgotten(
+    manager: JobManager,
+    read_the_kv: Callable[[list[JobRecord]], Awaitable[dict[str, JobRecord]]],
+    records: list[JobRecord],
+    job_id: str,
+) -> None:
+    """Stop the job, and wait until its end is archived and the KV has forgotten its run."""
+    await manager.stop_job(job_id)
+    deadline = time.monotonic() + 60
+    while (await read_the_kv(records)).get(job_id) is not None:
+        assert time.monotonic() < deadline, "the end was never forgotten"
+        await asyncio.sleep(0.05)
+
+
 @pytest.mark.parametrize("read", ["get", "list"])
 async def test_a_read_that_meets_the_end_archived_and_forgotten_between_its_two_reads_says_so(
     ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, read: str
@@ -365,11 +381,7 @@ async def test_a_read_that_meets_the_end_archived_and_forgotten_between_its_two_
             async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
                 if any(record.submission_id == "between" for record in records):
                     monkeypatch.setattr(store, "current", read_the_kv)
-                    await manager.stop_job("between")
-                    deadline = time.monotonic() + 60
-                    while (await read_the_kv(records)).get("between") is not None:
-                        assert time.monotonic() < deadline, "the end was never forgotten"
-                        await asyncio.sleep(0.05)
+                    await _stop_until_forgotten(manager, read_the_kv, records, "between")
                     archived = await archive.get("between")
                     assert archived is not None
                     assert archived.status is JobStatus.STOPPED
@@ -450,12 +462,7 @@ async def test_a_count_that_meets_the_end_archived_and_forgotten_between_its_two
             async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
                 if any(record.submission_id == "counted" for record in records):
                     monkeypatch.setattr(store, "current", read_the_kv)
-                    await manager.stop_job("counted")
-                    await until_status(manager, "counted", {JobStatus.STOPPED})
-                    deadline = time.monotonic() + 60
-                    while (await read_the_kv(records)).get("counted") is not None:
-                        assert time.monotonic() < deadline, "the end was never forgotten"
-                        await asyncio.sleep(0.05)
+                    await _stop_until_forgotten(manager, read_the_kv, records, "counted")
                     if then == "deleted":
                         await manager.delete_job("counted")
                 return await read_the_kv(records)
