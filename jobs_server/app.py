@@ -193,6 +193,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         stop_grace_s=settings.stop_grace_s,
         job_start_timeout_s=settings.job_start_timeout_s,
         shared_supervisors=settings.shared_supervisors,
+        jobs_nice=settings.jobs_nice,
         # Bounded like the rest of a graceful stop.
         stop_jobs_on_close_s=(
             max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)

@@ -17,6 +17,10 @@ RETENTION_MAX_AGE_S = 30 * 24 * 3600
 # row, and it stays a tenth of the default retention (live jobs count there, and are never
 # deleted); beyond it a client is better told 429 and when to come back than queued for hours.
 DEFAULT_MAX_QUEUED_JOBS = 10_000
+# The jobs' nice value (zygote.py's `lower_priority`). Under load the server and Ray's processes,
+# the control plane, get about three times the jobs' share of the CPU (weights 1024 against
+# 335): in the queue's burst, POST p50 35-39 ms against 49-62 ms (README: CPU priority).
+DEFAULT_JOBS_NICE = 5
 # Uploads of the largest package size that may be in memory at once, by default.
 UPLOADS_IN_FLIGHT_PER_PACKAGE = 4
 
@@ -90,6 +94,16 @@ class Settings(BaseSettings):
         description=(
             "Warm supervisor actors shared by the jobs that need no runtime env or resources of"
             " their own (0: every job gets its own supervisor)."
+        ),
+    )
+    jobs_nice: int = Field(
+        DEFAULT_JOBS_NICE,
+        ge=0,
+        le=19,
+        description=(
+            "The jobs' nice value: of their processes and, where the kernel has autogroups, of"
+            " their scheduling group, so that under load the server and Ray's processes keep"
+            " their share of the CPU (0: the jobs at the server's priority)."
         ),
     )
     max_running_jobs: int | None = Field(

@@ -34,12 +34,12 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 @contextlib.asynccontextmanager
 async def subreaper_fork_server(
-    shell: str = SHELL, *, clone_parent: bool = True
+    shell: str = SHELL, *, clone_parent: bool = True, nice: int = 0
 ) -> AsyncIterator[ForkServer]:
     """A started fork server of this test process, made a child subreaper meanwhile (as a
     supervisor is): each job's first process is its child (`clone_parent`), or re-parented to it."""
     assert become_child_subreaper()
-    server = ForkServer("fork-server-test", shell=shell, clone_parent=clone_parent)
+    server = ForkServer("fork-server-test", shell=shell, clone_parent=clone_parent, nice=nice)
     server.start()
     try:
         yield server

@@ -107,10 +107,17 @@ class ForkServer:
     """Starts jobs through one fork server, which it (re)starts when needed."""
 
     def __init__(
-        self, supervisor_token: str, *, shell: str = SHELL, clone_parent: bool = True
+        self,
+        supervisor_token: str,
+        *,
+        shell: str = SHELL,
+        clone_parent: bool = True,
+        nice: int = 0,
     ) -> None:
         self._supervisor_token = supervisor_token
         self._shell = shell
+        # How much lower the jobs' CPU priority is than the supervisor's (zygote.py).
+        self._nice = nice
         # False: the launcher is forked twice, as where the clone is refused (zygote.py).
         self._clone_parent = clone_parent
         self._process: subprocess.Popen[bytes] | None = None
@@ -157,6 +164,7 @@ class ForkServer:
                 str(os.getpid()),
                 "1" if self._clone_parent else "0",
                 self._ends_dir,
+                str(self._nice),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -86,6 +86,7 @@ class JobManager:
         max_queued_jobs: int | None = None,
         tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
+        jobs_nice: int = 0,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -106,6 +107,7 @@ class JobManager:
             kv_namespace=namespace,
             shared_count=shared_supervisors,
             head_node_id=self._head_node_id,
+            jobs_nice=jobs_nice,
         )
         self._cluster_resources = ClusterResources()
         self._queue = JobQueue(

@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 class JobSupervisor:
     """Runs jobs to their end; every method is keyed by submission id and safe to call again."""
 
-    def __init__(self, kv_namespace: str) -> None:
+    def __init__(self, kv_namespace: str, jobs_nice: int = 0) -> None:
         self._kv_namespace = kv_namespace
+        self._jobs_nice = jobs_nice
         self._runs: dict[str, JobRun] = {}
         # Spooled logs the server has not pulled to the end yet, by submission id.
         self._spools: dict[str, Path] = {}
@@ -270,7 +271,7 @@ class JobSupervisor:
                 self._guardian = start_guardian(self._supervisor_token)
                 self._containment = await asyncio.to_thread(detect_containment)
                 become_child_subreaper()
-                fork_server = ForkServer(self._supervisor_token)
+                fork_server = ForkServer(self._supervisor_token, nice=self._jobs_nice)
                 try:
                     fork_server.start()
                     self._fork_server = fork_server

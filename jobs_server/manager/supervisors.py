@@ -60,9 +60,18 @@ class Supervisors:
     """Creates and finds supervisor actors by name, in the server's namespace."""
 
     def __init__(
-        self, *, namespace: str, kv_namespace: str, shared_count: int, head_node_id: str
+        self,
+        *,
+        namespace: str,
+        kv_namespace: str,
+        shared_count: int,
+        head_node_id: str,
+        jobs_nice: int = 0,
     ) -> None:
         self._namespace = namespace
+        # The jobs' nice value, for each supervisor created here (a shared supervisor found
+        # under its name keeps the one it was created with).
+        self._jobs_nice = jobs_nice
         self._on_head_node = NodeAffinitySchedulingStrategy(node_id=head_node_id, soft=False)
         self._kv_namespace = kv_namespace
         self._shared_names = [f"{_SHARED_NAME_PREFIX}{index}" for index in range(shared_count)]
@@ -132,7 +141,9 @@ class Supervisors:
             options["label_selector"] = spec.entrypoint_label_selector
         if not spec.requested_resources() and not spec.entrypoint_label_selector:
             options["scheduling_strategy"] = self._on_head_node
-        return ray.remote(JobSupervisor).options(**options).remote(self._kv_namespace)
+        return (
+            ray.remote(JobSupervisor).options(**options).remote(self._kv_namespace, self._jobs_nice)
+        )
 
     def known_shared(self, name: str) -> Any | None:
         """The handle of the shared supervisor `name` if this server holds one (no I/O)."""
@@ -195,7 +206,7 @@ class Supervisors:
                     # For the same reason, no Ray metrics of its own (ray_metrics.py).
                     runtime_env={"env_vars": SUPERVISOR_ENV_VARS} if self._metrics_off else None,
                 )
-                .remote(self._kv_namespace)
+                .remote(self._kv_namespace, self._jobs_nice)
             )
             self._shared_handles[name] = handle
         return handle

@@ -31,7 +31,8 @@ environment. It answers on its stdout, a line each:
 
 It dies with the supervisor (its parent-death signal, armed then checked, and EOF on its stdin).
 It is in a session of its own, which the jobs it forks share, each in a process group of its
-own (a stop of a job never reaches it; containment.py says why not a session per job). Like the
+own (a stop of a job never reaches it; containment.py says why not a session per job), at the
+nice value `--jobs-nice` (argv[4]) for it and for that session's scheduling group. Like the
 jobs' processes, it carries the supervisor's marker (and so do the launchers and inits it forks,
 whose environment is its own): the guardian kills them all if the supervisor dies.
 """
@@ -53,6 +54,24 @@ if os.getppid() != supervisor:
     os._exit(1)  # the supervisor died before the death signal was armed
 devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
 os.set_blocking(REQUESTS, False)
+
+
+def lower_priority(nice):
+    # The jobs run below the control plane (the server, Ray's processes): where the kernel has
+    # autogroups, which share the CPU between sessions before processes, this session's group
+    # gets the nice value; and every process forked from here is at least at it (Ray starts
+    # its workers, the supervisor among them, at 15 unless RAY_worker_niceness says otherwise;
+    # a lower value would need a privilege). Raising a nice value needs none.
+    if nice > 0:
+        os.nice(max(0, nice - os.nice(0)))
+        try:
+            with open("/proc/self/autogroup", "w") as autogroup:
+                autogroup.write(str(nice))
+        except OSError:
+            pass  # no autogroups on this kernel: the processes' nice value is what counts
+
+
+lower_priority(int(sys.argv[4]))
 poller = select.epoll()
 poller.register(REQUESTS, select.EPOLLIN)
 starting = {}  # the read end of each launch's started pipe, until its EOF: [job, error]
