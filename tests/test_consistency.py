@@ -345,6 +345,27 @@ async def test_stop_right_after_submit_always_ends_stopped(client: Client) -> No
     assert not wrong, f"{len(wrong)} of 200 raced wrong: {wrong[:5]}"
 
 
+def _between_the_reads(
+    monkeypatch: pytest.MonkeyPatch,
+    store: JobStore,
+    job_id: str,
+    action: Callable[[list[JobRecord]], Awaitable[None]],
+) -> Callable[[list[JobRecord]], Awaitable[dict[str, JobRecord]]]:
+    """Inject `action` between a read's two reads: the first time the store is asked for the KV's
+    state of `job_id` (after the archive's row was read), `action` runs, then the KV is read.
+    Returns the store's own read, which is back in place once the injection has run."""
+    read_the_kv = store.current
+
+    async def action_then_read(records: list[JobRecord]) -> dict[str, JobRecord]:
+        if any(record.submission_id == job_id for record in records):
+            monkeypatch.setattr(store, "current", read_the_kv)
+            await action(records)
+        return await read_the_kv(records)
+
+    monkeypatch.setattr(store, "current", action_then_read)
+    return read_the_kv
+
+
 async def _stop_until_forgotten(
     manager: JobManager,
     read_the_kv: Callable[[list[JobRecord]], Awaitable[dict[str, JobRecord]]],
@@ -376,18 +397,14 @@ async def test_a_read_that_meets_the_end_archived_and_forgotten_between_its_two_
             await manager.submit_job(running)
             await until_status(manager, "between", {JobStatus.RUNNING})
             store = manager._store
-            read_the_kv = store.current
 
-            async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
-                if any(record.submission_id == "between" for record in records):
-                    monkeypatch.setattr(store, "current", read_the_kv)
-                    await _stop_until_forgotten(manager, read_the_kv, records, "between")
-                    archived = await archive.get("between")
-                    assert archived is not None
-                    assert archived.status is JobStatus.STOPPED
-                return await read_the_kv(records)
+            async def end(records: list[JobRecord]) -> None:
+                await _stop_until_forgotten(manager, store.current, records, "between")
+                archived = await archive.get("between")
+                assert archived is not None
+                assert archived.status is JobStatus.STOPPED
 
-            monkeypatch.setattr(store, "current", end_between_the_reads)
+            read_the_kv = _between_the_reads(monkeypatch, store, "between", end)
             if read == "get":
                 seen = await manager.get_job("between")
             else:
@@ -415,22 +432,16 @@ async def test_a_list_leaves_out_the_job_of_another_tenant_that_took_the_id_betw
             )
             await until_status(manager, "taken", {JobStatus.RUNNING})
             store = manager._store
-            read_the_kv = store.current
 
-            async def taken_over_between_the_reads(
-                records: list[JobRecord],
-            ) -> dict[str, JobRecord]:
-                if any(record.submission_id == "taken" for record in records):
-                    monkeypatch.setattr(store, "current", read_the_kv)
-                    await manager.stop_job("taken")
-                    await until_status(manager, "taken", {JobStatus.STOPPED})
-                    await manager.delete_job("taken")
-                    await manager.submit_job(
-                        JobSpec(entrypoint="true", submission_id="taken"), tenant="team-b"
-                    )
-                return await read_the_kv(records)
+            async def take_over(_: list[JobRecord]) -> None:
+                await manager.stop_job("taken")
+                await until_status(manager, "taken", {JobStatus.STOPPED})
+                await manager.delete_job("taken")
+                await manager.submit_job(
+                    JobSpec(entrypoint="true", submission_id="taken"), tenant="team-b"
+                )
 
-            monkeypatch.setattr(store, "current", taken_over_between_the_reads)
+            read_the_kv = _between_the_reads(monkeypatch, store, "taken", take_over)
             seen = (await manager.list_jobs(tenant="team-a")).records
             assert store.current is read_the_kv, "the injection never ran"
             assert [(record.submission_id, record.tenant) for record in seen] == []
@@ -457,17 +468,13 @@ async def test_a_count_that_meets_the_end_archived_and_forgotten_between_its_two
             await manager.submit_job(JobSpec(entrypoint="sleep 1000", submission_id="counted"))
             await until_status(manager, "counted", {JobStatus.RUNNING})
             store = manager._store
-            read_the_kv = store.current
 
-            async def end_between_the_reads(records: list[JobRecord]) -> dict[str, JobRecord]:
-                if any(record.submission_id == "counted" for record in records):
-                    monkeypatch.setattr(store, "current", read_the_kv)
-                    await _stop_until_forgotten(manager, read_the_kv, records, "counted")
-                    if then == "deleted":
-                        await manager.delete_job("counted")
-                return await read_the_kv(records)
+            async def end(records: list[JobRecord]) -> None:
+                await _stop_until_forgotten(manager, store.current, records, "counted")
+                if then == "deleted":
+                    await manager.delete_job("counted")
 
-            monkeypatch.setattr(store, "current", end_between_the_reads)
+            read_the_kv = _between_the_reads(monkeypatch, store, "counted", end)
             counts = await manager.count_by_status()
             assert store.current is read_the_kv, "the injection never ran"
             assert counts == ({JobStatus.STOPPED: 1} if then == "ended" else {})

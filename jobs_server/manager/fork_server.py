@@ -116,7 +116,7 @@ class ForkServer:
     ) -> None:
         self._supervisor_token = supervisor_token
         self._shell = shell
-        # How much lower the jobs' CPU priority is than the supervisor's (zygote.py).
+        # The jobs' nice value, at least (zygote.py's `lower_priority`); 0: the supervisor's.
         self._nice = nice
         # False: the launcher is forked twice, as where the clone is refused (zygote.py).
         self._clone_parent = clone_parent
