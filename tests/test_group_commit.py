@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.events import JobEvent
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 
@@ -73,3 +73,55 @@ async def test_updates_and_deletes_share_batches_with_inserts(archive: Archive) 
     assert (await archive.get("second")) == second
     # The first terminal status wins, batched or not.
     assert await archive.update(first.with_changes(status=JobStatus.FAILED)) == ended
+
+
+async def test_new_jobs_added_together_are_as_if_added_one_by_one(
+    archive: Archive, tmp_path: Path
+) -> None:
+    """A batch adds its new jobs in one statement per table (new_rows.py): their metadata,
+    an imported job's second event, the events' numbers in call order, and two submits of one
+    new id in the same batch (the first wins)."""
+    await archive.insert(record("before"))
+    tagged = record("tagged").model_copy(
+        update={"spec": JobSpec(entrypoint="true", submission_id="tagged", metadata={"team": "a"})}
+    )
+    imported = record("imported").with_changes(status=JobStatus.RUNNING, driver_pid=7)
+    burst = [record(f"job-{n:03d}") for n in range(150)]
+    burst[10:10] = [tagged, imported]
+    burst[30:30] = [record("twice")]
+    burst[40:40] = [record("twice")]
+    outcomes = await asyncio.gather(*(archive.insert(job) for job in burst), return_exceptions=True)
+    assert [index for index, outcome in enumerate(outcomes) if outcome is not None] == [40]
+    assert isinstance(outcomes[40], DuplicateJobError)
+    added = [job.submission_id for index, job in enumerate(burst) if index != 40]
+    with sqlite3.connect(archive_path(tmp_path / "state")) as other:
+        rows = [row[0] for row in other.execute("SELECT submission_id FROM jobs ORDER BY seq")]
+        stored_events = other.execute("SELECT id, type, submission_id FROM events ORDER BY id")
+        stored = [(row[1], row[2]) for row in stored_events]
+    assert rows == ["before", *added]
+    expected = [("submitted", name) for name in ["before", *added]]
+    expected.insert(expected.index(("submitted", "imported")) + 1, ("status", "imported"))
+    assert stored == expected
+    published = archive.published  # type: ignore[attr-defined]
+    assert [(event.type.value, event.submission_id) for event in published] == expected
+    assert [event.id for event in published] == list(range(1, len(expected) + 1))
+    (page, _) = await archive.page(JobQuery(metadata=(("team", "a"),)))
+    assert [job.submission_id for job in page] == ["tagged"]
+    assert (await archive.get("imported")) == imported
+
+
+async def test_event_numbers_added_together_are_never_reused_after_trimming(
+    tmp_path: Path,
+) -> None:
+    archive = Archive(archive_path(tmp_path / "state"), max_events=5)
+    await archive.open()
+    try:
+        numbers: list[int] = []
+        for round_ in range(3):
+            await asyncio.gather(*(archive.insert(record(f"r{round_}-{n}")) for n in range(20)))
+            numbers += [event.id for event in await archive.events_after(max(numbers or [0]), 100)]
+            await archive.delete(f"r{round_}-0")
+        assert (await archive.event_id_range())[1] == 3 * 21
+        assert numbers == sorted(set(numbers))  # increasing, none given twice
+    finally:
+        await archive.close()

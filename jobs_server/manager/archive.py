@@ -31,7 +31,8 @@ from jobs_server.manager.archive_queries import STREAM_BATCH_ROWS as STREAM_BATC
 from jobs_server.manager.archive_queries import JobQuery as JobQuery
 from jobs_server.manager.archive_queries import UnknownCursorError as UnknownCursorError
 from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.group_commit import GroupCommit, rollback
+from jobs_server.manager.group_commit import GroupCommit, NewRow, rollback
+from jobs_server.manager.new_rows import insert_new_rows
 from jobs_server.manager.records import (
     JobRecord,
     JobStatus,
@@ -114,7 +115,10 @@ class Archive:
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-reads")
         self._read_db: sqlite3.Connection | None = None
         self._writes = GroupCommit(
-            run=self._run, connection=self._conn, after_each_batch=self._trim_events
+            run=self._run,
+            connection=self._conn,
+            after_each_batch=self._trim_events,
+            add_rows=self._add_new_rows,
         )
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -184,8 +188,34 @@ class Archive:
 
     async def insert(self, record: JobRecord) -> None:
         """Record a new job; DuplicateJobError if its submission_id is in the archive."""
-        _, events = await self._writes.write(lambda db: (None, self._insert_row(db, record)))
+        _, events = await self._writes.write(NewRow(record))
         self._notify(events)
+
+    def _add_new_rows(
+        self, db: sqlite3.Connection, records: list[JobRecord]
+    ) -> list[tuple[bool, Any]]:
+        """Add new jobs next to each other in a batch together (new_rows.py); if an id is
+        taken, each on its own, so that only that one fails (with DuplicateJobError)."""
+        db.execute("SAVEPOINT new_rows")
+        try:
+            events = insert_new_rows(db, records)
+        except sqlite3.IntegrityError:
+            db.execute("ROLLBACK TO new_rows")
+            db.execute("RELEASE new_rows")
+            return [self._add_new_row(db, record) for record in records]
+        db.execute("RELEASE new_rows")
+        return [(True, (None, own)) for own in events]
+
+    def _add_new_row(self, db: sqlite3.Connection, record: JobRecord) -> tuple[bool, Any]:
+        db.execute("SAVEPOINT new_row")
+        try:
+            events = self._insert_row(db, record)
+        except DuplicateJobError as error:
+            db.execute("ROLLBACK TO new_row")
+            db.execute("RELEASE new_row")
+            return False, error
+        db.execute("RELEASE new_row")
+        return True, (None, events)
 
     async def insert_many(self, records: list[JobRecord]) -> None:
         """Record many new jobs in one transaction (an import, a benchmark's history); all or

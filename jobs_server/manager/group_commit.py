@@ -3,10 +3,12 @@ next one, so a burst of submits costs one fsync per batch rather than one per jo
 
 Each write is a function of the connection that runs inside the batch's transaction under a
 savepoint of its own: a write that fails (a duplicate submission_id) is rolled back alone and
-its caller gets its error; the others commit. Every caller is answered only after the commit
-that made its write durable (synchronous=FULL), so an accepted job is still on disk before its
-POST is answered. Writes commit in the order they were called, and their events are published
-in that order after the commit.
+its caller gets its error; the others commit. A new job's row is not a function but a NewRow:
+the new rows next to each other in a batch are added together (new_rows.py), each still
+answered with its own outcome. Every caller is answered only after the commit that made its
+write durable (synchronous=FULL), so an accepted job is still on disk before its POST is
+answered. Writes commit in the order they were called, and their events are published in that
+order after the commit.
 """
 
 from __future__ import annotations
@@ -32,9 +34,22 @@ _CLOSE_POLL_S = 0.005
 Write = Callable[[sqlite3.Connection], tuple[Any, list[JobEvent]]]
 
 
+@dataclass(frozen=True)
+class NewRow:
+    """A write that only adds a row (a new job): the new rows next to each other in a batch are
+    added together, by the GroupCommit's `add_rows`."""
+
+    row: Any
+
+
+# Adds new rows together: each one's outcome, (True, (result, events)) or (False, its error);
+# it raises only if the whole transaction failed.
+AddRows = Callable[[sqlite3.Connection, list[Any]], list[tuple[bool, Any]]]
+
+
 @dataclass
 class _Pending:
-    write: Write
+    write: Write | NewRow
     answer: asyncio.Future[tuple[Any, list[JobEvent]]]
 
 
@@ -52,17 +67,19 @@ class GroupCommit:
         run: Callable[..., Awaitable[Any]],
         connection: Callable[[], sqlite3.Connection],
         after_each_batch: Callable[[sqlite3.Connection], None],
+        add_rows: AddRows,
     ) -> None:
         self._run = run
         self._connection = connection
         self._after_each_batch = after_each_batch
+        self._add_rows = add_rows
         # Shared with the archive's thread: under the lock.
         self._lock = threading.Lock()
         self._pending: list[_Pending] = []
         self._draining = False
         self._turns: set[asyncio.Future[None]] = set()
 
-    async def write(self, write: Write) -> tuple[Any, list[JobEvent]]:
+    async def write(self, write: Write | NewRow) -> tuple[Any, list[JobEvent]]:
         """Run `write` in the next transaction; its result and events once it is committed."""
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[tuple[Any, list[JobEvent]]] = loop.create_future()
@@ -124,7 +141,7 @@ class GroupCommit:
             else:
                 item.answer.set_exception(value)
 
-    def _commit(self, writes: list[Write]) -> list[tuple[bool, Any]]:
+    def _commit(self, writes: list[Write | NewRow]) -> list[tuple[bool, Any]]:
         """One transaction (on the archive's thread). The writes run one after another; if one
         fails (a duplicate id: rare), the transaction is rolled back and run again with each
         write under a savepoint, so that the failing one is rolled back alone. Not a savepoint
@@ -135,12 +152,17 @@ class GroupCommit:
         except _WriteFailed:
             return self._transaction(writes, savepoints=True)
 
-    def _transaction(self, writes: list[Write], *, savepoints: bool) -> list[tuple[bool, Any]]:
+    def _transaction(
+        self, writes: list[Write | NewRow], *, savepoints: bool
+    ) -> list[tuple[bool, Any]]:
         db = self._connection()
         outcomes: list[tuple[bool, Any]] = []
         db.execute("BEGIN IMMEDIATE")
         try:
-            for write in writes:
+            for write in _new_rows_together(writes):
+                if isinstance(write, list):  # new rows: add_rows answers for each
+                    outcomes += self._add_rows(db, [new.row for new in write])
+                    continue
                 if savepoints:
                     db.execute("SAVEPOINT write")
                 try:
@@ -160,6 +182,19 @@ class GroupCommit:
             rollback(db)
             raise
         return outcomes
+
+
+def _new_rows_together(writes: list[Write | NewRow]) -> list[Write | list[NewRow]]:
+    """The writes in order, each run of NewRows next to each other as one list."""
+    grouped: list[Write | list[NewRow]] = []
+    for write in writes:
+        if not isinstance(write, NewRow):
+            grouped.append(write)
+        elif grouped and isinstance(grouped[-1], list):
+            grouped[-1].append(write)
+        else:
+            grouped.append([write])
+    return grouped
 
 
 class _WriteFailed(Exception):
