@@ -178,6 +178,9 @@ class JobAttempts:
             await kill_job_processes(job_token, other_roots=self._host.other_roots(run))
             if not self._attempts:
                 self._host.unspool(run)  # nothing was written: nothing to pull
+            if run.stop_requested.is_set():
+                # Asked to stop as it started: the command does not run on, as the stop asked.
+                return await self._record_end(status=JobStatus.STOPPED, message=STOPPED_MESSAGE)
             return await self._record_end(
                 status=JobStatus.FAILED,
                 error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_START_ERROR,
