@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from aiohttp.test_utils import TestClient
 from ray._private.ray_constants import RAY_WORKER_NICENESS
 
+from jobs_server.app import create_app
 from jobs_server.manager.containment import Containment
 from jobs_server.settings import DEFAULT_JOBS_NICE, Settings
 from tests.conftest import job_logs, submit, wait_for_status
@@ -68,3 +71,45 @@ async def test_the_servers_jobs_run_below_it_by_default(
     # value RAY_worker_niceness gives the cluster.
     worker_niceness = int(os.environ.get(RAY_WORKER_NICENESS, "15"))
     _check_report(await job_logs(client, job_id), DEFAULT_JOBS_NICE, launched_at=worker_niceness)
+
+
+async def test_a_restart_with_another_jobs_nice_runs_its_jobs_at_that_value(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], settings: Settings
+) -> None:
+    """A shared supervisor keeps the value it was created with: a server started again with
+    another value on the same cluster makes supervisors of its own and retires the idle
+    ones of the server before (they used to take its jobs, at the old value)."""
+    worker_niceness = int(os.environ.get(RAY_WORKER_NICENESS, "15"))
+    reports = {}
+    supervisors = {}
+    for jobs_nice in (5, 7):
+        client = await aiohttp_client(
+            create_app(settings.model_copy(update={"jobs_nice": jobs_nice}))
+        )
+        try:
+            job_id = await submit(client, entrypoint=REPORT_PRIORITY)
+            job = await wait_for_status(client, job_id)
+            assert job["status"] == "SUCCEEDED", job
+            reports[jobs_nice] = await job_logs(client, job_id)
+            supervisors[jobs_nice] = shared_supervisors(settings.namespace)
+        finally:
+            await client.close()
+    _check_report(reports[5], 5, launched_at=worker_niceness)
+    _check_report(reports[7], 7, launched_at=worker_niceness)
+    assert supervisors[5]
+    assert supervisors[7]
+    assert not supervisors[5] & supervisors[7]  # the second made its own
+    # ... and retired the first server's, idle (a killed actor leaves Ray's list soon after).
+    for _ in range(300):
+        if not supervisors[5] & shared_supervisors(settings.namespace):
+            break
+        await asyncio.sleep(0.1)
+    assert not supervisors[5] & shared_supervisors(settings.namespace)
+
+
+def shared_supervisors(namespace: str) -> set[str]:
+    return {
+        actor["name"]
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["namespace"] == namespace and "shared_supervisor" in actor["name"]
+    }

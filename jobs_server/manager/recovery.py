@@ -85,7 +85,9 @@ class Recovery:
                 await self._history.forget(record)
         for name in self._supervisors.stale_shared_names(live_supervisors):
             if name not in busy_supervisors:
-                logger.info("retiring idle supervisor %s of an earlier server version", name)
+                logger.info(
+                    "retiring idle supervisor %s of an earlier server version or setting", name
+                )
                 await asyncio.to_thread(self._supervisors.kill, name)
 
     async def _import(self, record: JobRecord) -> bool:

@@ -69,12 +69,15 @@ class Supervisors:
         jobs_nice: int = 0,
     ) -> None:
         self._namespace = namespace
-        # The jobs' nice value, for each supervisor created here (a shared supervisor found
-        # under its name keeps the one it was created with).
+        # The jobs' nice value, for each supervisor created here. A supervisor keeps the value
+        # it was created with, so the value is part of a shared supervisor's name: a server
+        # started with another one makes its own, and retires the others once they are idle.
         self._jobs_nice = jobs_nice
         self._on_head_node = NodeAffinitySchedulingStrategy(node_id=head_node_id, soft=False)
         self._kv_namespace = kv_namespace
-        self._shared_names = [f"{_SHARED_NAME_PREFIX}{index}" for index in range(shared_count)]
+        self._shared_names = [
+            f"{_SHARED_NAME_PREFIX}nice{jobs_nice}:{index}" for index in range(shared_count)
+        ]
         self._shared_handles: dict[str, Any] = {}
         self._round_robin = itertools.cycle(self._shared_names)
         # Whether shared supervisors are created with Ray's metrics off (ray_metrics.py).
@@ -167,7 +170,8 @@ class Supervisors:
         }
 
     def stale_shared_names(self, live_names: set[str]) -> list[str]:
-        """Shared supervisors among `live_names` that another version of the server created."""
+        """Shared supervisors among `live_names` that another version of the server created, or
+        a server with another `--jobs-nice`."""
         return sorted(
             name
             for name in live_names
