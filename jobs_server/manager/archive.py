@@ -235,31 +235,12 @@ class Archive:
         return events
 
     def _insert_row(self, db: sqlite3.Connection, record: JobRecord) -> list[JobEvent]:
-        tenant = record.tenant
-        text = record.model_dump_json()  # the row's and its events' JSON, made once
+        """One new job, as a batch adds several (new_rows.py); DuplicateJobError if its id is
+        taken (its row is the first statement: nothing of it is left then)."""
         try:
-            cursor = db.execute(
-                "INSERT INTO jobs (submission_id, run_id, tenant, status, start_time,"
-                " end_time, record) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (
-                    record.submission_id,
-                    record.run_id,
-                    tenant,
-                    record.status.value,
-                    record.start_time,
-                    record.end_time,
-                    text,
-                ),
-            )
+            (events,) = insert_new_rows(db, [record])
         except sqlite3.IntegrityError:
             raise DuplicateJobError(record.submission_id) from None
-        db.executemany(
-            "INSERT INTO job_metadata (seq, key, value) VALUES (?, ?, ?)",
-            [(cursor.lastrowid, key, value) for key, value in record.spec.metadata.items()],
-        )
-        events = [self._event(db, JobEventType.SUBMITTED, record, tenant, text)]
-        if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
-            events.append(self._event(db, JobEventType.STATUS, record, tenant, text))
         return events
 
     async def update(self, record: JobRecord) -> JobRecord | None:
