@@ -56,6 +56,7 @@ from jobs_server.middlewares import (
     cross_site_middleware,
     error_middleware,
     metrics_middleware,
+    request_origin_middleware,
 )
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
@@ -80,11 +81,17 @@ def create_app(
     process exits with CLUSTER_LOST_EXIT_CODE.
     """
     app = web.Application(
-        middlewares=[metrics_middleware, error_middleware, cross_site_middleware, auth_middleware],
+        middlewares=[
+            metrics_middleware,
+            error_middleware,
+            request_origin_middleware,
+            cross_site_middleware,
+            auth_middleware,
+        ],
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )
     app[SETTINGS_KEY] = settings
-    app[ACCESS_POLICY_KEY] = AccessPolicy(cors_origins=frozenset(settings.cors_origins))
+    app[ACCESS_POLICY_KEY] = AccessPolicy.from_settings(settings)
     app[KEY_RING_KEY] = KeyRing(
         admin_token=resolve_auth_token(settings), tokens_file=settings.tokens_file
     )

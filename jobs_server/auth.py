@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from jobs_server.request_origin import HostAllowList, ProxyTrust
 from jobs_server.settings import Settings
 
 # Ray's SDK sends its token in one of these (Ray's own `Authorization: Bearer`, or its own
@@ -77,7 +78,18 @@ def is_loopback(host: str) -> bool:
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """What the middlewares enforce beyond keys (those are the `KeyRing`'s): the browser
-    origins allowed to call cross-site."""
+    """What the middlewares enforce beyond keys (those are the `KeyRing`'s): the names a
+    request may reach us by, the proxies believed about it, and the browser origins allowed
+    to call cross-site."""
 
     cors_origins: frozenset[str]
+    allowed_hosts: HostAllowList
+    proxy_trust: ProxyTrust
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AccessPolicy:
+        return cls(
+            cors_origins=frozenset(settings.cors_origins),
+            allowed_hosts=HostAllowList.for_server(settings.host, settings.allowed_hosts),
+            proxy_trust=ProxyTrust.from_setting(settings.forwarded_allow_ips),
+        )

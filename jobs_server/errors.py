@@ -4,6 +4,8 @@ JobsServerError
 ├── InvalidRequestError        the request is malformed or fails validation
 │   ├── InvalidRuntimeEnvError the runtime_env is rejected by Ray, or names a missing package
 │   ├── InvalidPackageError    an uploaded package that is not a zip
+│   ├── HostNotAllowedError    the Host names something this server does not answer to
+│   ├── InvalidForwardedHeaderError  a trusted proxy's X-Forwarded-* that says nothing valid
 │   └── InvalidJobOptionsError Ray rejects the job's resources or options
 ├── JobNotFoundError           no job with that id
 ├── PackageNotFoundError       no uploaded package with that URI
@@ -55,6 +57,14 @@ class InvalidRuntimeEnvError(InvalidRequestError):
 
 class InvalidPackageError(InvalidRequestError):
     code = "invalid_package"
+
+
+class HostNotAllowedError(InvalidRequestError):
+    code = "host_not_allowed"
+
+
+class InvalidForwardedHeaderError(InvalidRequestError):
+    code = "invalid_forwarded_header"
 
 
 class InvalidJobOptionsError(InvalidRequestError):

@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
-from aiohttp import web
+from aiohttp import hdrs, web
 
 from jobs_server.api_models import ErrorDetail, ErrorResponse
 from jobs_server.auth import token_from_headers
@@ -17,6 +17,7 @@ from jobs_server.errors import (
     ClusterUnavailableError,
     ConflictError,
     CrossSiteRequestError,
+    HostNotAllowedError,
     InsufficientStorageError,
     InvalidRequestError,
     InvalidTokenError,
@@ -38,6 +39,7 @@ from jobs_server.keys import (
 )
 from jobs_server.manager.tenancy import ANONYMOUS_ADMIN
 from jobs_server.metrics import CANCELLED_REQUEST_STATUS, route_name
+from jobs_server.request_origin import origin_of, parse_origin
 
 logger = logging.getLogger(__name__)
 
@@ -155,19 +157,58 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 
 @web.middleware
+async def request_origin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The name the request reached us by must be one we answer to (DNS rebinding: see
+    request_origin.py); behind a trusted proxy, the scheme, name and client are those the
+    browser used, as the proxy says."""
+    policy = request.app[ACCESS_POLICY_KEY]
+    forwarded = policy.proxy_trust.forwarded(request.remote, request.headers)
+    host = forwarded.host if forwarded is not None and forwarded.host else None
+    checked_host = host if host is not None else request.headers.get(hdrs.HOST)
+    # No Host at all: not a browser (every browser sends it), so nothing to rebind.
+    if checked_host is not None and not policy.allowed_hosts.allows(checked_host):
+        raise HostNotAllowedError(
+            f"This server does not answer to the name {checked_host!r}, so that a page whose"
+            " name points at it (DNS rebinding) cannot use it. If that is its name, start it"
+            " with --allowed-hosts (JOBS_SERVER_ALLOWED_HOSTS)."
+        )
+    if forwarded is None:
+        return await handler(request)
+    return await handler(
+        request.clone(
+            scheme=forwarded.scheme or request.scheme,
+            host=host or request.host,
+            remote=forwarded.remote or request.remote or "",
+        )
+    )
+
+
+# A websocket is not protected by CORS: a page on any site may open one and read what it sends.
+_WEBSOCKET_UPGRADE = "websocket"
+
+
+@web.middleware
 async def cross_site_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """A browser on another site cannot submit, stop, upload or delete, unless the operator
-    allowed its origin. Clients that are not browsers send neither header and pass."""
-    if request.method in UNSAFE_METHODS:
-        origin = request.headers.get("Origin")
+    """A browser on another site cannot submit, stop, upload or delete, nor open a websocket,
+    unless the operator allowed its origin. Clients that are not browsers send neither header
+    and pass."""
+    upgrade = request.headers.get(hdrs.UPGRADE, "").lower() == _WEBSOCKET_UPGRADE
+    if request.method in UNSAFE_METHODS or upgrade:
+        origin = request.headers.get(hdrs.ORIGIN)
         fetch_site = request.headers.get("Sec-Fetch-Site", "").lower()
         allowed = request.app[ACCESS_POLICY_KEY].cors_origins
-        same_origin = origin == f"{request.scheme}://{request.host}"
-        if origin is not None and not same_origin and origin not in allowed:
+        if origin is not None and origin not in allowed and not _is_own_origin(request, origin):
             raise CrossSiteRequestError(f"Requests from origin {origin!r} are not allowed.")
         if origin is None and fetch_site in {"cross-site", "same-site"}:
             raise CrossSiteRequestError("Cross-site requests are not allowed.")
     return await handler(request)
+
+
+def _is_own_origin(request: web.Request, origin: str) -> bool:
+    """Whether `origin` is this server's own, as the browser reached it (a default port
+    written or not)."""
+    own = origin_of(request.scheme, request.host)
+    return own is not None and parse_origin(origin) == own
 
 
 @web.middleware

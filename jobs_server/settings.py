@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -221,11 +222,41 @@ class Settings(BaseSettings):
         ),
     )
 
-    @field_validator("cors_origins", mode="before")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Host names this server is reached by (its public name, behind a proxy the name"
+            " the browser uses), comma-separated; a request whose Host names anything else is"
+            " refused with 400, so that a page whose name was rebound to this address (DNS"
+            " rebinding) reaches nothing. Always allowed: localhost, address literals, this"
+            " machine's hostname and the bind address. '*': any name."
+        ),
+    )
+    forwarded_allow_ips: list[str] = Field(
+        default_factory=list,
+        description=(
+            "Addresses or networks of the proxies whose X-Forwarded-Proto, -Host and -For"
+            " are believed (a TLS-terminating proxy: the browser's https origin), comma-"
+            "separated; from any other peer they are ignored. '*': every peer. Default: none."
+        ),
+    )
+
+    @field_validator("cors_origins", "allowed_hosts", "forwarded_allow_ips", mode="before")
     @classmethod
-    def _split_origins(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
-            return [origin.strip() for origin in value.split(",") if origin.strip()]
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("forwarded_allow_ips")
+    @classmethod
+    def _addresses_or_networks(cls, value: list[str]) -> list[str]:
+        for item in value:
+            if item != "*":
+                try:
+                    ipaddress.ip_network(item, strict=False)
+                except ValueError as error:
+                    raise ValueError(f"{item!r} is not an address or a network") from error
         return value
 
     @model_validator(mode="before")

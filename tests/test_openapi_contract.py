@@ -252,6 +252,9 @@ async def test_responses_match_the_document(
     tail = f"/api/jobs/{finished_id}/logs/tail"
     await api.call("GET", tail, headers=WEBSOCKET_HANDSHAKE, expect=101)
     await api.call("GET", tail, expect=400)
+    cross_site = {**WEBSOCKET_HANDSHAKE, "Origin": "https://evil.example"}
+    refused_upgrade = await api.call("GET", tail, headers=cross_site, expect=403)
+    assert refused_upgrade["error"]["code"] == "cross_site_request"
     async with client.ws_connect(tail) as websocket:
         frames = [message async for message in websocket]
     assert all(frame.type is WSMsgType.TEXT for frame in frames), frames
@@ -291,6 +294,12 @@ async def test_responses_match_the_document(
             job_id="any", protocol="gcs", package_name="any.zip", file_name="app.js"
         )
         await api.call("PATCH", path, expect=405)
+        # A name this server does not answer to (DNS rebinding): every operation refuses it.
+        for method in set(contract.spec["paths"][template]) & {"get", "post", "put", "delete"}:
+            rebound = await api.call(
+                method.upper(), path, headers={"Host": "evil.example:8266"}, expect=400
+            )
+            assert rebound["error"]["code"] == "host_not_allowed"
 
     unprovoked = {
         (operation, status)
