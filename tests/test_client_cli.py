@@ -389,7 +389,8 @@ async def test_submit_sends_the_options_as_the_job(
     )  # fmt: skip
     assert (code, stdout) == (0, b"s1\n"), stderr
     job = await fake.get_job("s1")
-    assert job.spec.entrypoint == "echo $X; ls -la"
+    # Several arguments are quoted each, as `ray job submit` does (shlex.join).
+    assert job.spec.entrypoint == "'echo $X;' ls -la"
     assert job.spec.metadata == {"owner": "me", "team": "a=b"}
     assert job.spec.runtime_env == {
         "env_vars": {"X": "1"},
@@ -462,6 +463,20 @@ async def test_submit_follow_prints_a_real_job_and_exits_with_its_code(server_ur
     assert stdout == b"line 1 client\nline 2 client\nline 3 client\n"
     assert code == 3, stderr
     assert stderr.startswith("jobs-server: submitted ")
+
+
+async def test_several_arguments_run_as_the_same_words_as_under_ray_job_submit(
+    server_url: str,
+) -> None:
+    """`-- sh -c 'echo hi; exit 3'` is three words; joined with spaces, sh ran `echo` alone."""
+    code, stdout, stderr = await run_cli(
+        "submit", "--follow", "--url", server_url, "--", "sh", "-c", "echo hi; exit 3",
+    )  # fmt: skip
+    assert (code, stdout) == (3, b"hi\n"), stderr
+    code, stdout, stderr = await run_cli(
+        "submit", "--follow", "--url", server_url, "--", "printf", "%s|", "a b", "$HOME", "'",
+    )  # fmt: skip
+    assert (code, stdout) == (0, b"a b|$HOME|'|"), stderr
 
 
 async def test_submit_wait_and_stop_a_real_job(server_url: str) -> None:

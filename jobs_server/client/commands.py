@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,7 +53,8 @@ def add_client_commands(commands: Any) -> None:
         parents=[server, interrupt],
         help="submit a shell command as a job",
         description="Submit CMD as a job and print its submission id. One argument is run as a"
-        " shell command as it is; several are joined with spaces, as `ray job submit` does.",
+        " shell command as it is; several are quoted each (`-- sh -c 'echo hi; exit 3'` runs those"
+        " three words), as `ray job submit` does.",
     )
     waiting = submit.add_mutually_exclusive_group()
     waiting.add_argument(
@@ -174,8 +176,16 @@ async def _with_client(connection: Connection, handler: Handler, args: argparse.
         return await handler(client, args)
 
 
+def entrypoint_of(words: list[str]) -> str:
+    """One word is a shell command as it is; several are quoted each, as `ray job submit`
+    does, so that the same words run the same command under either client."""
+    if len(words) == 1:
+        return words[0]
+    return shlex.join(words)
+
+
 async def run_submit(client: JobsClient, args: argparse.Namespace) -> int:
-    body: dict[str, Any] = {"entrypoint": " ".join(args.cmd)}
+    body: dict[str, Any] = {"entrypoint": entrypoint_of(args.cmd)}
     if args.submission_id:
         body["submission_id"] = args.submission_id
     runtime_env: dict[str, Any] = {}
