@@ -125,3 +125,26 @@ async def test_the_server_refuses_bad_queue_fields_and_the_form_says_why(
     assert (await (await fake_client.get("/api/jobs/")).json()) == []  # nothing recorded
     # The browser logs the refused request itself; nothing else may go wrong.
     watch.assert_clean(allowed_console=re.compile(r"status of 400"))
+
+
+async def test_an_attempt_that_printed_nothing_shows_an_empty_log(
+    queue_client: TestClient[Any, Any], browser: Browser, tmp_path: Path
+) -> None:
+    """Its part of the log is empty: there is nothing to ask the server for (limit=0 is a 400)."""
+    counter = tmp_path / "attempts"
+    entrypoint = (
+        f"n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter};"
+        ' [ "$n" -ge 2 ] || exit 3; echo "output of attempt $n"'
+    )
+    job_id = await submit(queue_client, entrypoint=entrypoint, max_retries=1)
+    assert (await wait_for_status(queue_client, job_id))["status"] == "SUCCEEDED"
+    watch = await open_page(browser, queue_client, f"/#/jobs/{job_id}")
+    page = watch.page
+    await expect(page.locator("#attempts tbody tr")).to_have_count(2)
+    await page.get_by_role("link", name="Log of attempt 1").click()
+    await expect(page.get_by_role("heading", name="Log of attempt 1")).to_be_visible()
+    await expect(page.locator("#attempt-log")).to_have_text("")
+    await page.get_by_role("link", name="Log of attempt 2").click()
+    await expect(page.locator("#attempt-log")).to_have_text("output of attempt 2\n")
+    await expect(page.locator("#job-error")).to_have_text("")
+    watch.assert_clean()

@@ -19,10 +19,12 @@ function retriesText(job) {
   return `up to ${job.max_retries}, on ${codes ? `exit codes ${codes.join(", ")}` : "any non-zero exit code"}`;
 }
 
-/** The text-log URL of attempt `index`: from its offset to the next attempt's (or the end). */
+/** The text-log URL of attempt `index`: from its offset to the next attempt's (or the end);
+ * null when it wrote nothing before the next began (there is nothing to ask for). */
 function attemptLogPath(jobId, attempts, index) {
   const offset = attempts[index].log_offset;
   const next = attempts[index + 1];
+  if (next && next.log_offset <= offset) return null;
   const limit = next ? `&limit=${next.log_offset - offset}` : "";
   return `${jobPath(jobId)}/logs?format=text&offset=${offset}${limit}`;
 }
@@ -55,7 +57,7 @@ export function renderJob(main, jobId, { signal, onError }) {
 
   async function showAttemptLog(index, path) {
     try {
-      const text = await (await request(path, { signal })).text();
+      const text = path === null ? "" : await (await request(path, { signal })).text();
       attemptLogTitle.textContent = `Log of attempt ${index + 1}`;
       attemptLog.textContent = text; // as text: output is shown, never run
       attemptLogSection.hidden = false;
@@ -71,7 +73,7 @@ export function renderJob(main, jobId, { signal, onError }) {
     if (attemptsSection.hidden) return;
     const rows = attempts.map((attempt, index) => {
       const path = attemptLogPath(jobId, attempts, index);
-      const link = el("a", { href: path }, `Log of attempt ${index + 1}`);
+      const link = el("a", { href: path ?? "#" }, `Log of attempt ${index + 1}`);
       link.addEventListener("click", (event) => {
         event.preventDefault(); // shown here, with the key, not as a page of its own
         showAttemptLog(index, path);
