@@ -313,6 +313,33 @@ def test_ray_driver_sees_its_submission_and_details_show_the_driver(
     assert listed[job_id].driver_info.id == ray_job_id
 
 
+def test_metadata_cannot_make_a_driver_another_jobs(
+    ray_client: JobSubmissionClient, tmp_path: Path
+) -> None:
+    """A user's `job_submission_id` in metadata would make its driver show as another job's
+    (another tenant's, say): the driver's job config always names its own submission."""
+    victim = ray_client.submit_job(entrypoint="sleep 60", submission_id=unique_id("victim"))
+    (tmp_path / "driver.py").write_text(DRIVER_SCRIPT)
+    job_id = ray_client.submit_job(
+        entrypoint=f"python {tmp_path / 'driver.py'}",
+        submission_id=unique_id("claims"),
+        metadata={"job_submission_id": victim},
+    )
+    status = wait_for_client_status(ray_client, job_id, TERMINAL)
+    logs = ray_client.get_job_logs(job_id)
+    assert status == JobStatus.SUCCEEDED, logs
+    assert json.loads(_printed(logs, "METADATA"))["job_submission_id"] == job_id
+    ray_job_id = _printed(logs, "JOB_ID")
+    own = ray_client.get_job_info(job_id)
+    assert own.driver_info is not None
+    assert own.driver_info.id == ray_job_id
+    victims = ray_client.get_job_info(victim)
+    assert victims.job_id is None  # it started no Ray driver
+    assert victims.driver_info is not None
+    assert victims.driver_info.id == victim  # its own process, as for every shell job
+    ray_client.stop_job(victim)
+
+
 def test_drivers_of_several_jobs_are_found_in_one_read_of_the_job_table(
     ray_client: JobSubmissionClient, ray_connection: str, tmp_path: Path
 ) -> None:

@@ -37,12 +37,13 @@ MAX_REMEMBERED_JOBS = 100_000
 
 
 def driver_job_metadata(submission_id: str, metadata: dict[str, str]) -> dict[str, str]:
-    """The job config metadata of a driver the job starts: Ray's two keys, then the user's (a
-    user's `job_name` wins, as in Ray's supervisor)."""
+    """The job config metadata of a driver the job starts: Ray's two keys and the user's. A
+    user's `job_name` wins, as in Ray's supervisor; its `job_submission_id` does not (Ray's
+    does), since the driver would then be found as that other job's."""
     return {
-        JOB_SUBMISSION_ID_METADATA_KEY: submission_id,
         JOB_NAME_METADATA_KEY: submission_id,
         **metadata,
+        JOB_SUBMISSION_ID_METADATA_KEY: submission_id,
     }
 
 
