@@ -11,6 +11,7 @@ JobsServerError
 ├── PackageNotFoundError       no uploaded package with that URI
 ├── ConflictError              the request conflicts with the job's state
 │   ├── DuplicateJobError      the submission_id is taken
+│   ├── PackageExistsError     the package name is taken by other bytes (immutable)
 │   └── JobNotTerminalError    deleting a job that has not ended
 ├── AuthenticationRequiredError  no token (401)
 ├── InvalidTokenError          a wrong token (403)
@@ -99,6 +100,17 @@ class DuplicateJobError(ConflictError):
         super().__init__(
             f"Job with submission_id {submission_id} already exists. "
             "Please use a different submission_id."
+        )
+
+
+class PackageExistsError(ConflictError):
+    code = "package_exists"
+
+    def __init__(self, uri: str) -> None:
+        super().__init__(
+            f"Package {uri!r} was already uploaded with other content; a package never changes."
+            " Upload the new content under its own name (Ray's clients name a package by its"
+            " content, so a changed directory gets a new name)."
         )
 
 

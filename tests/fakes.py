@@ -166,7 +166,7 @@ class FakeJobManager:
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Check the runtime env as the real manager does, then record the job PENDING."""
-        await validate_runtime_env(spec.runtime_env, self.packages)
+        await validate_runtime_env(spec.runtime_env, self.packages, tenant=tenant)
         if spec.submission_id in self._records:
             raise DuplicateJobError(spec.submission_id)
         record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.", tenant=tenant)

@@ -276,9 +276,15 @@ async def test_responses_match_the_document(
     package_name = f"_ray_pkg_{secrets.token_hex(8)}.zip"
     package = f"/api/packages/gcs/{package_name}"
     assert (await api.call("GET", package, expect=404))["error"]["code"] == "package_not_found"
-    uploaded = await api.call("PUT", package, data=_tiny_zip(), expect=200)
+    tiny_zip = _tiny_zip()
+    uploaded = await api.call("PUT", package, data=tiny_zip, expect=200)
     assert uploaded == {"uri": f"gcs://{package_name}"}
     assert await api.call("GET", package, expect=200) == uploaded
+    # A package never changes: the same bytes again are accepted, other bytes refused.
+    assert await api.call("PUT", package, data=tiny_zip, expect=200) == uploaded
+    empty_zip = b"PK\x05\x06" + bytes(18)
+    taken = await api.call("PUT", package, data=empty_zip, expect=409)
+    assert taken["error"]["code"] == "package_exists"
     await api.call("GET", "/api/packages/gcs/not-a-package.txt", expect=400)
     await api.call("GET", "/api/packages/s3/_ray_pkg_0123456789abcdef.zip", expect=400)
     other_package = f"/api/packages/gcs/_ray_pkg_{secrets.token_hex(8)}.zip"

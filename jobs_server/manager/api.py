@@ -115,14 +115,15 @@ class JobManagerApi(Protocol):
 
 
 class PackageStoreApi(Protocol):
-    """Uploaded `working_dir` and `py_modules` packages, by URI."""
+    """Uploaded `working_dir` and `py_modules` packages, by URI, each its tenant's."""
 
-    async def ensure_exists(self, uri: str) -> None:
-        """PackageNotFoundError unless the package was uploaded (and has not expired)."""
+    async def ensure_exists(self, uri: str, *, tenant: str) -> None:
+        """PackageNotFoundError unless `tenant` uploaded the package (and it has not expired)."""
         ...
 
-    async def upload(self, uri: str, data: bytes) -> None:
-        """Store a whole, checked package, or nothing."""
+    async def upload(self, uri: str, data: bytes, *, tenant: str) -> None:
+        """Store a whole, checked package as `tenant`'s, or nothing; PackageExistsError if the
+        tenant has other bytes under its name."""
         ...
 
 

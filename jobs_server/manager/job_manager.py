@@ -214,7 +214,7 @@ class JobManager:
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at
         once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
-        await validate_runtime_env(spec.runtime_env, self._packages)
+        await validate_runtime_env(spec.runtime_env, self._packages, tenant=tenant)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
         return await asyncio.shield(self._record_and_hand_over(spec, tenant))

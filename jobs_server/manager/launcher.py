@@ -12,6 +12,7 @@ from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.run_batches import RunBatches
+from jobs_server.manager.runtime_envs import runtime_env_for_ray
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 
 # A shared supervisor writes a job's start once its command has run this long, or with its end if
@@ -69,7 +70,11 @@ class Launcher:
         known = self._supervisors.known_shared(name)
         if known is not None:
             return known
-        return await asyncio.to_thread(self._supervisors.create, name, record.spec)
+        # The actor's runtime env names the tenant's own copies of its packages.
+        spec = record.spec.model_copy(
+            update={"runtime_env": runtime_env_for_ray(record.spec.runtime_env, record.tenant)}
+        )
+        return await asyncio.to_thread(self._supervisors.create, name, spec)
 
     def start(self, record: JobRecord, supervisor: Any) -> Launch:
         """Ask `supervisor` to run the job (no await: a caller can decide and start at once).
@@ -97,7 +102,8 @@ class Launcher:
             run_id=record.run_id,
             entrypoint=spec.entrypoint,
             log_path=job_log_path(self._log_dir, spec.submission_id),
-            runtime_env=spec.runtime_env,
+            # The driver's job config too: its tasks and actors set up the tenant's packages.
+            runtime_env=runtime_env_for_ray(spec.runtime_env, record.tenant),
             metadata=spec.metadata,
             stop_grace_s=self._stop_grace_s,
             timeout_s=spec.timeout_s,

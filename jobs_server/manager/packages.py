@@ -1,42 +1,46 @@
 """working_dir and py_modules packages, kept in the GCS where Ray's runtime env agent reads them.
 
-A package lives in the GCS KV store under its URI, in Ray's default namespace, exactly where
-Ray's own job server puts it, so Ray's agent on any node finds it. Ray garbage-collects it once
-no job uses it and its pin (PACKAGE_PIN_S) has run out; until then every job reuses it.
+A package lives in the GCS KV store in Ray's default namespace, where Ray's agent on any node
+finds it, under its tenant's name for it (`tenant_package_name`): a tenant sees, uses and
+uploads its own packages only, and another tenant's upload of the same name is a package of
+that tenant's. A package never changes: the first upload of a name takes it (the GCS's
+put-if-absent decides between two at once), the same bytes again are accepted, other bytes
+are refused. Ray garbage-collects a package once no job uses it and its pin (PACKAGE_PIN_S)
+has run out; until then every job of its tenant reuses it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import io
-import re
 import zipfile
 
 from jobs_server.errors import (
+    ClusterUnavailableError,
     InvalidPackageError,
     InvalidRequestError,
+    PackageExistsError,
     PackageNotFoundError,
     PayloadTooLargeError,
 )
 from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.runtime_envs import GCS_SCHEME, is_package_name, tenant_package_uri
 
 # Long enough for a job to be submitted after its package was found to exist.
 PACKAGE_PIN_S = 600
-_PACKAGE_PROTOCOLS = frozenset({"gcs"})
-# The names Ray's client gives what it uploads: a directory's zip named by its content hash,
-# or a wheel (py_modules) by its file name.
-_PACKAGE_NAME = re.compile(
-    r"^(_ray_pkg_[0-9a-f]{1,64}\.zip|[A-Za-z0-9][A-Za-z0-9_.+-]{0,200}\.whl)$"
-)
+# An upload that finds its name taken reads what is there; if Ray has just garbage-collected
+# it, the name is free again and the upload tries to take it once more, this many times.
+_UPLOAD_ATTEMPTS = 3
 
 
 def package_uri(protocol: str, name: str) -> str:
     """The runtime_env URI (`gcs://_ray_pkg_<hash>.zip`) that Ray's clients derive the path from."""
-    if protocol not in _PACKAGE_PROTOCOLS:
+    if protocol != GCS_SCHEME:
         raise InvalidRequestError(f"Unsupported package protocol {protocol!r}; use 'gcs'.")
-    if not _PACKAGE_NAME.match(name):
+    if not is_package_name(name):
         raise InvalidRequestError(
-            f"Invalid package name {name!r}: expected _ray_pkg_<hex>.zip or a wheel file name."
+            f"Invalid package name {name!r}: expected _ray_pkg_<hex>.zip or a wheel file name"
+            " (<name>-<version>[-<build>]-<python>-<abi>-<platform>.whl)."
         )
     return f"{protocol}://{name}"
 
@@ -47,22 +51,26 @@ class PackageLookup:
     def __init__(self, gcs_address: str) -> None:
         self._kv = GcsKv(gcs_address, namespace=None)
 
-    async def ensure_exists(self, uri: str) -> None:
-        """Raise PackageNotFoundError unless the package exists; pin it so a job can use it."""
-        if not await self._kv.exists(uri):
+    async def ensure_exists(self, uri: str, *, tenant: str) -> None:
+        """Raise PackageNotFoundError unless `tenant` uploaded the package (another tenant's
+        upload of it is not found); pin it so a job can use it."""
+        stored_uri = tenant_package_uri(uri, tenant)
+        if not await self._kv.exists(stored_uri):
             raise PackageNotFoundError(uri)
-        await asyncio.to_thread(self._kv.pin_uri, uri, PACKAGE_PIN_S)
+        await asyncio.to_thread(self._kv.pin_uri, stored_uri, PACKAGE_PIN_S)
 
 
 class PackageStore(PackageLookup):
-    """Checks and uploads packages; the KV key is the package URI."""
+    """Checks and uploads packages, each tenant's under its own name."""
 
     def __init__(self, gcs_address: str, max_package_bytes: int) -> None:
         super().__init__(gcs_address)
         self._max_package_bytes = max_package_bytes
 
-    async def upload(self, uri: str, data: bytes) -> None:
-        """Store a whole, checked package in one write: a rejected one leaves nothing behind."""
+    async def upload(self, uri: str, data: bytes, *, tenant: str) -> None:
+        """Store a whole, checked package in one write, unless `tenant` has it already: the
+        same bytes are accepted, other bytes are PackageExistsError. A rejected upload leaves
+        nothing behind and changes nothing."""
         if len(data) > self._max_package_bytes:
             raise PayloadTooLargeError(
                 f"Package is {len(data)} bytes; the limit is {self._max_package_bytes}."
@@ -71,8 +79,24 @@ class PackageStore(PackageLookup):
             # Ray's client uploads a 0-byte file (a wheel, a zip) as it is, and Ray's server
             # stores it: so do we; Ray's agent reports what it cannot install, as under Ray.
             await asyncio.to_thread(_check_is_zip, uri, data)
-        await self._kv.put(uri, data)
-        await asyncio.to_thread(self._kv.pin_uri, uri, PACKAGE_PIN_S)
+        stored_uri = tenant_package_uri(uri, tenant)
+        for _ in range(_UPLOAD_ATTEMPTS):
+            # Put-if-absent: of two uploads at once, exactly one takes the name.
+            if await self._kv.create(stored_uri, data):
+                break
+            # Read back only when the name is taken (Ray's client uploads only what it did
+            # not find): at most one stored package per upload in flight is held with it.
+            stored = await self._kv.get(stored_uri)
+            if stored is not None:
+                if stored != data:
+                    raise PackageExistsError(uri)
+                break
+        else:
+            raise ClusterUnavailableError(
+                f"Package {uri} was taken and collected {_UPLOAD_ATTEMPTS} times during the"
+                " upload; try again."
+            )
+        await asyncio.to_thread(self._kv.pin_uri, stored_uri, PACKAGE_PIN_S)
 
 
 def _check_is_zip(uri: str, data: bytes) -> None:

@@ -7,7 +7,13 @@ from aiohttp import web
 from jobs_server.api_models import PackageResponse
 from jobs_server.audit import audit
 from jobs_server.errors import PayloadTooLargeError
-from jobs_server.keys import DISK_GUARD_KEY, PACKAGE_STORE_KEY, SETTINGS_KEY, UPLOAD_BUDGET_KEY
+from jobs_server.keys import (
+    DISK_GUARD_KEY,
+    PACKAGE_STORE_KEY,
+    PRINCIPAL_KEY,
+    SETTINGS_KEY,
+    UPLOAD_BUDGET_KEY,
+)
 from jobs_server.manager import package_uri
 from jobs_server.request_body import json_response
 
@@ -16,16 +22,18 @@ routes = web.RouteTableDef()
 
 @routes.get("/api/packages/{protocol}/{package_name}", name="get_package")
 async def get_package(request: web.Request) -> web.Response:
-    """200 if the package was uploaded (Ray's client then skips the upload), else 404."""
+    """200 if the caller's tenant uploaded the package (Ray's client then skips the upload),
+    else 404: another tenant's is not found, and the client uploads a copy of its own."""
     uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
-    await request.app[PACKAGE_STORE_KEY].ensure_exists(uri)
+    await request.app[PACKAGE_STORE_KEY].ensure_exists(uri, tenant=request[PRINCIPAL_KEY].tenant)
     return json_response(PackageResponse(uri=uri))
 
 
 @routes.put("/api/packages/{protocol}/{package_name}", name="upload_package")
 async def upload_package(request: web.Request) -> web.Response:
-    """Store the whole body as the package, or nothing: it is read in full (a client that goes
-    away half-way never reaches the store) and checked before one write. Refused before any of
+    """Store the whole body as the caller's tenant's package, or nothing: it is read in full (a
+    client that goes away half-way never reaches the store) and checked before one write. A
+    package never changes: the same bytes again are 200, other bytes 409. Refused before any of
     it is read when the disk is nearly full (507), or when the uploads in progress already hold
     the bytes the server allows in memory (429)."""
     uri = package_uri(request.match_info["protocol"], request.match_info["package_name"])
@@ -39,6 +47,6 @@ async def upload_package(request: web.Request) -> web.Response:
     size_bytes = max_bytes if request.content_length is None else request.content_length
     with request.app[UPLOAD_BUDGET_KEY].reserve(size_bytes):
         data = await request.read()
-        await request.app[PACKAGE_STORE_KEY].upload(uri, data)
+        await request.app[PACKAGE_STORE_KEY].upload(uri, data, tenant=request[PRINCIPAL_KEY].tenant)
     audit(request, "upload", uri, bytes=len(data))
     return json_response(PackageResponse(uri=uri))
