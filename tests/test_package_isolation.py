@@ -5,6 +5,8 @@ job runs, a name once taken keeps its bytes, and Ray's own client uploads a copy
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
 import io
 import os
 import secrets
@@ -226,3 +228,60 @@ def test_ray_clients_of_two_tenants_with_the_same_directory_each_upload_their_ow
         assert client.get_job_logs(job_id) == (b_dir / WHO_FILE).read_text()
         assert info.runtime_env is not None
         assert info.runtime_env["working_dir"] == f"gcs://{name}"
+
+
+def wheel_of(distribution: str, who: str) -> bytes:
+    """A pure-Python wheel whose module `isolated_mod` says `who`."""
+    dist_info = f"{distribution}-0.1.dist-info"
+    files = {
+        "isolated_mod/__init__.py": f"WHO = {who!r}\n",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: 0.1\n",
+        f"{dist_info}/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = [
+        f"{path},sha256={_record_digest(text.encode())},{len(text.encode())}"
+        for path, text in files.items()
+    ]
+    files[f"{dist_info}/RECORD"] = "\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    return buffer.getvalue()
+
+
+def _record_digest(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def test_two_tenants_wheels_of_one_file_name_are_each_their_own(
+    server: TenantServer, tmp_path: Path
+) -> None:
+    """A wheel is named by its file name, not its content: two tenants' wheels of one name
+    differ, and each tenant's job imports its own (pip installs the tenant's copy)."""
+    distribution = f"iso_{secrets.token_hex(4)}"
+    jobs = {}
+    for key, who in (("b-submit", "team-b"), ("a-submit", "team-a")):
+        wheel = tmp_path / who / f"{distribution}-0.1-py3-none-any.whl"
+        wheel.parent.mkdir()
+        wheel.write_bytes(wheel_of(distribution, who))
+        jobs[key] = (
+            _client(server, key).submit_job(
+                entrypoint="python -c 'import isolated_mod; print(isolated_mod.WHO)'",
+                runtime_env={"py_modules": [str(wheel)]},
+            ),
+            who,
+        )
+    for key, (job_id, who) in jobs.items():
+        client = _client(server, key)
+        wait_until(
+            lambda client=client, job_id=job_id: client.get_job_status(job_id).is_terminal(),
+            JOB_DEADLINE_S,
+            f"{job_id} ends",
+        )
+        info = client.get_job_info(job_id)
+        logs = client.get_job_logs(job_id)
+        assert info.status == JobStatus.SUCCEEDED, (info, logs)
+        assert logs == f"{who}\n"
