@@ -107,9 +107,21 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             if header in error.headers:
                 response.headers[header] = error.headers[header]
         return response
-    except Exception:
+    except Exception as error:
+        if isinstance(error, ConnectionError) and _client_left(request):
+            # The client left while its body was read or the answer written (the server does
+            # not cancel handlers, so a read or write meets it): not a server error, and nobody
+            # is left to answer. The status is what the metrics count; aiohttp's write of it
+            # fails quietly on the closed connection.
+            logger.debug("%s %s: the client went away", request.method, request.path)
+            return web.Response(status=CANCELLED_REQUEST_STATUS)
         logger.exception("unexpected error handling %s %s", request.method, request.path)
         return error_response(500, "internal_error", "The server failed to handle the request.")
+
+
+def _client_left(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 # Probes must answer without credentials; nothing they say is secret. The web page and its

@@ -94,7 +94,7 @@ class RawRequest:
 
 async def open_raw(served: Served, path: str, extra_headers: str = "") -> RawRequest:
     reader, writer = await asyncio.open_connection("127.0.0.1", served.port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\n{extra_headers}\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{extra_headers}\r\n".encode())
     await writer.drain()
     return RawRequest(reader, writer)
 
@@ -265,7 +265,7 @@ async def test_a_token_header_that_is_not_utf8_is_refused(
     client = await aiohttp_client(create_app(secured))
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     writer.write(
-        b"GET /api/jobs/ HTTP/1.1\r\nHost: test\r\nConnection: close\r\n%s\r\n\r\n" % header
+        b"GET /api/jobs/ HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%s\r\n\r\n" % header
     )
     response = await reader.read()
     writer.close()
