@@ -4,7 +4,9 @@ The archive calls `publish` (its `on_events`) after each commit with the new eve
 subscriber buffers them and delivers them in id order from its own cursor. Whatever is not in
 its buffer (a resume, a gap, a buffer that overflowed while its client was slow) is read back
 from the `EventLog`, which is the source of truth: so a subscriber never skips an id and never
-repeats one. An `after` older than the log keeps gets a `FeedReset` and continues from now.
+repeats one. What the log no longer keeps cannot be read back: an `after` older than the log
+keeps, or a subscriber so slow that the log's window moved past its cursor while it was not
+reading, gets a `FeedReset` and continues from now; never a silent jump to the oldest kept.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class FeedReset:
 
 class _Subscriber:
     def __init__(self) -> None:
+        self.cursor = 0
+        """The id of the last event delivered (or skipped by the filter)."""
         self.buffer: collections.deque[JobEvent] = collections.deque()
         self.overflowed = False
         self.synced = False
@@ -103,21 +107,20 @@ class EventFeed:
         try:
             oldest, newest = await self._log.event_id_range()
             if after is None or after >= newest:
-                cursor = newest
+                subscriber.cursor = newest
                 subscriber.synced = True
             elif after < oldest - 1:
                 yield FeedReset(oldest, f"event {after} is no longer kept; list the jobs again")
-                cursor = newest
+                subscriber.cursor = newest
                 subscriber.synced = True
             else:
-                cursor = after
+                subscriber.cursor = after
             while True:
                 delivered_any = False
-                async for event in self._events_after(subscriber, cursor):
-                    cursor = event.id
-                    if event_filter.matches(event):
+                async for item in self._events_after(subscriber):
+                    if isinstance(item, FeedReset) or event_filter.matches(item):
                         delivered_any = True
-                        yield event
+                        yield item
                 if delivered_any:
                     continue
                 if not await _wait(subscriber.woken, idle_tick_s):
@@ -126,35 +129,63 @@ class EventFeed:
             self._subscribers.discard(subscriber)
 
     async def _events_after(
-        self, subscriber: _Subscriber, cursor: int
-    ) -> AsyncGenerator[JobEvent, None]:
-        """Every event now known after `cursor`, in order, each once: from the buffer when it
-        continues the cursor, from the log when it does not (a resume, an overflow, a gap)."""
+        self, subscriber: _Subscriber
+    ) -> AsyncGenerator[JobEvent | FeedReset, None]:
+        """Every event now known after the subscriber's cursor, in order, each once: from the
+        buffer when it continues the cursor, from the log when it does not (a resume, an
+        overflow, a gap); a `FeedReset` where the log no longer has what follows the cursor
+        (the cursor moves to the newest event then)."""
         subscriber.woken.clear()
         while True:
             buffer = subscriber.buffer
-            while buffer and buffer[0].id <= cursor:
+            while buffer and buffer[0].id <= subscriber.cursor:
                 buffer.popleft()
-            if subscriber.synced and buffer and buffer[0].id == cursor + 1:
+            if subscriber.synced and buffer and buffer[0].id == subscriber.cursor + 1:
                 event = buffer.popleft()
-                cursor = event.id
+                subscriber.cursor = event.id
                 yield event
                 continue
             if subscriber.synced and not buffer:
                 return
             subscriber.overflowed = False
-            page = await self._log.events_after(cursor, LOG_PAGE)
+            page = await self._log.events_after(subscriber.cursor, LOG_PAGE)
+            if page and page[0].id > subscriber.cursor + 1:
+                reset = await self._lost_after(subscriber)
+                if reset is not None:
+                    yield reset
+                    continue
             for event in page:
-                cursor = event.id
+                subscriber.cursor = event.id
                 yield event
             if page:
                 continue
             subscriber.synced = not subscriber.overflowed
-            if buffer and buffer[0].id > cursor + 1:
+            if buffer and buffer[0].id > subscriber.cursor + 1:
+                reset = await self._lost_after(subscriber)
+                if reset is not None:
+                    yield reset
+                    continue
                 # The log has nothing before it: the numbering skips ids there.
                 event = buffer.popleft()
-                cursor = event.id
+                subscriber.cursor = event.id
                 yield event
+
+    async def _lost_after(self, subscriber: _Subscriber) -> FeedReset | None:
+        """Whether the events right after the cursor, found missing, were trimmed from the log
+        (its window moved past the cursor): then a reset, and the cursor moves to the newest.
+        None: the log still reaches back to the cursor, so the numbering skips ids there.
+        Read after the missing ids were seen missing, so a trim in between is not missed (it
+        can only make a reset of a skip in the numbering: a reset too many, never a gap)."""
+        oldest, newest = await self._log.event_id_range()
+        cursor = subscriber.cursor
+        if oldest <= cursor + 1:
+            return None
+        subscriber.cursor = max(cursor, newest)
+        return FeedReset(
+            oldest,
+            f"the events after {cursor} up to {oldest - 1} are no longer kept (this stream fell"
+            " behind); list the jobs again",
+        )
 
 
 async def _wait(woken: asyncio.Event, timeout_s: float | None) -> bool:

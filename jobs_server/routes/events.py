@@ -3,7 +3,8 @@
 Each event is one change of one job (submitted, a status change, deleted) with an increasing
 id; `Last-Event-ID` (or `?after=`) resumes after it with no gap and no duplicate, also across a
 restart. An id older than the server keeps gets a `reset` event (list again, as Kubernetes'
-410 Gone), then the stream continues from now. Heartbeats every 15 s keep proxies open.
+410 Gone), then the stream continues from now; so does a stream whose client fell behind the kept
+window (never a silent gap). Heartbeats every 15 s keep proxies open.
 """
 
 from __future__ import annotations
