@@ -10,6 +10,8 @@ optional caps per tenant. TOML, read with the standard library; checked whole be
     [tenants.team-a]              # optional caps of the tenant's queue
     max_running = 10
     max_queued = 100
+    max_jobs = 5000               # and of its history (retention), within the server's
+    max_age_s = 86400
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class _TenantEntry(BaseModel):
 
     max_running: Annotated[int, Field(ge=1, strict=True)] | None = None
     max_queued: Annotated[int, Field(ge=0, strict=True)] | None = None
+    # A value above the server's --retention-max-jobs / --retention-max-age-s is taken (the
+    # server's may be raised without editing this file) and bounded by the server's where used.
+    max_jobs: Annotated[int, Field(ge=1, strict=True)] | None = None
+    max_age_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = None
 
 
 class _TokensDocument(BaseModel):
@@ -116,7 +122,12 @@ def parse_tokens(text: str, *, source: str) -> TokensFile:
         for key in document.keys
     }
     limits = {
-        tenant: TenantLimits(max_running=entry.max_running, max_queued=entry.max_queued)
+        tenant: TenantLimits(
+            max_running=entry.max_running,
+            max_queued=entry.max_queued,
+            max_jobs=entry.max_jobs,
+            max_age_s=entry.max_age_s,
+        )
         for tenant, entry in document.tenants.items()
     }
     return TokensFile(principals=principals, limits=limits)

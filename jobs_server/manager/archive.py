@@ -431,12 +431,17 @@ class Archive:
                 return
 
     async def expired_jobs(
-        self, *, older_than_ms: int | None, keep_newest: int | None, limit: int
+        self,
+        *,
+        older_than_ms: int | None,
+        keep_newest: int | None,
+        limit: int,
+        tenant: str | None = None,
     ) -> list[JobRecord]:
         """Finished jobs that retention may delete, oldest first, at most `limit`: those that
         ended before `older_than_ms`, and those beyond the newest `keep_newest` jobs (live
-        ones count among the newest but are never returned)."""
-        return await self._read(queries.expired_jobs, older_than_ms, keep_newest, limit)
+        ones count among the newest but are never returned); of `tenant` only, if given."""
+        return await self._read(queries.expired_jobs, older_than_ms, keep_newest, limit, tenant)
 
     # -- EventLog ---------------------------------------------------------------------------
 

@@ -150,16 +150,23 @@ def batch_of_jobs(
 
 
 def expired_jobs(
-    db: sqlite3.Connection, older_than_ms: int | None, keep_newest: int | None, limit: int
+    db: sqlite3.Connection,
+    older_than_ms: int | None,
+    keep_newest: int | None,
+    limit: int,
+    tenant: str | None = None,
 ) -> list[JobRecord]:
+    # Of one tenant: its own newest are kept (the tenant's index orders them by seq).
+    of_tenant, tenant_parameters = ("", []) if tenant is None else (" AND tenant = ?", [tenant])
     clauses = []
-    parameters: list[Any] = list(_TERMINAL)
+    parameters: list[Any] = [*_TERMINAL, *tenant_parameters]
     if older_than_ms is not None:
         clauses.append("end_time < ?")
         parameters.append(older_than_ms)
     if keep_newest is not None:
         row = db.execute(
-            "SELECT seq FROM jobs ORDER BY seq DESC LIMIT 1 OFFSET ?", (keep_newest,)
+            f"SELECT seq FROM jobs WHERE 1 = 1{of_tenant} ORDER BY seq DESC LIMIT 1 OFFSET ?",
+            [*tenant_parameters, keep_newest],
         ).fetchone()
         if row is not None:
             clauses.append("seq <= ?")
@@ -168,7 +175,7 @@ def expired_jobs(
         return []
     parameters.append(limit)
     rows = db.execute(
-        "SELECT record FROM jobs WHERE status IN (?, ?, ?) AND"
+        f"SELECT record FROM jobs WHERE status IN (?, ?, ?){of_tenant} AND"
         f" ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
         parameters,
     ).fetchall()

@@ -170,6 +170,7 @@ class JobManager:
                 delete_job=self._delete_expired,
                 policy=retention,
                 on_deleted=on_retention_deleted,
+                tenant_limits=tenant_limits,
             )
         )
 
@@ -251,7 +252,8 @@ class JobManager:
         return record
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
-        return await self._views.with_wait_message(await self._views.record(submission_id, tenant))
+        record = await self._views.record(submission_id, tenant)
+        return await self._views.with_wait_message(record, tenant)
 
     async def list_jobs(
         self,

@@ -25,6 +25,12 @@ a tenant's own jobs: a tenant cannot push another tenant's jobs back by asking f
 A queued job's place ("3rd of 12") is its place in that order as the queue is now, computed when
 it is read: the jobs of the tenants before it in the turn order up to its round, and of those
 after it up to the round before.
+
+What a client is told counts only what it may see. An admin reads a queued job's place in the
+whole queue and the server's running jobs; a tenant's own key reads its place among its
+tenant's queued jobs, its tenant's running jobs, and whether the server's slots are all taken,
+never a number of another tenant's jobs (the place in the whole queue would tell how many
+jobs other tenants have queued). A refused submit names its own tenant's counts only.
 """
 
 from __future__ import annotations
@@ -214,10 +220,12 @@ class JobQueue:
 
     def _check_room(self, tenant: str) -> None:
         if self._max_queued is not None and self._queued_places() >= self._max_queued:
+            # The submitter's own tenant's numbers: the others' are not its to know.
             raise QueueFullError(
-                f"The queue is full: {self._queued_places()} jobs queued of at most"
-                f" {self._max_queued} (the server's --max-queued-jobs), {self._describe_running()}."
-                " Nothing was recorded; try again later.",
+                f"The queue is full: tenant {tenant!r} has {self._tenant_places(tenant)} jobs"
+                f" queued of at most {self._max_queued} (the server's --max-queued-jobs, for all"
+                f" tenants), {self._running_by_tenant[tenant]} running. Nothing was recorded;"
+                " try again later.",
                 retry_after_s=self.retry_after_s(None),
             )
         cap = self._tenant_limits(tenant).max_queued
@@ -327,8 +335,11 @@ class JobQueue:
             before += min(len(self._tenants[other].keys), rank + 1 if ahead else rank)
         return before + 1, len(self._queued)
 
-    def describe(self, submission_id: str) -> str | None:
-        """A queued job's status message: its place, and the cap it waits behind."""
+    def describe(self, submission_id: str, *, own_tenant_only: bool = False) -> str | None:
+        """A queued job's status message: its place, and the cap it waits behind. For a reader
+        who sees only the job's tenant (`own_tenant_only`), only that tenant's numbers."""
+        if own_tenant_only:
+            return self._describe_to_tenant(submission_id)
         place = self.place(submission_id)
         if place is None:
             return None
@@ -339,6 +350,25 @@ class JobQueue:
             parts.append(
                 f"tenant {tenant}: {self._running_by_tenant[tenant]} of {tenant_cap} running"
             )
+        return "; ".join(parts)
+
+    def _describe_to_tenant(self, submission_id: str) -> str | None:
+        entry = self._queued.get(submission_id)
+        if entry is None:
+            return None
+        tenant = entry.tenant
+        queue = self._tenants[tenant]
+        running = self._running_by_tenant[tenant]
+        tenant_cap = self._tenant_limits(tenant).max_running
+        parts = [
+            f"Queued: {ordinal(queue.rank(entry.key) + 1)} of {len(queue.keys)} in tenant"
+            f" {tenant}'s queue",
+            f"tenant {tenant}: {running} running"
+            if tenant_cap is None
+            else f"tenant {tenant}: {running} of {tenant_cap} running",
+        ]
+        if not self._global_has_slot():
+            parts.append(f"the server's {self._max_running} running slots are all taken")
         return "; ".join(parts)
 
     def _describe_running(self) -> str:

@@ -64,7 +64,7 @@ class JobViews:
         query, wanted = self._by_status_now(query)
         if wanted is None or limit is None:
             rows, more = await self._archive.page(query, after=after, limit=limit)
-            return _keep(await self.as_they_are(rows), wanted), more
+            return _keep(await self.as_they_are(rows, query.tenant), wanted), more
         # Windows of rows until the page is full: a row is dropped when its job is no longer
         # what its row says (it moved on since), which a busy server's live jobs do by the
         # dozen between the two reads.
@@ -76,7 +76,7 @@ class JobViews:
             rows, more, position = await self._archive.window(
                 query, after_seq=position, limit=window
             )
-            records += _keep(await self.as_they_are(rows), wanted)
+            records += _keep(await self.as_they_are(rows, query.tenant), wanted)
             if len(records) > limit:
                 return records[:limit], True
             if not more:
@@ -86,7 +86,7 @@ class JobViews:
         """Every job matching `query` as it is now, after the job `after`, in batches."""
         query, wanted = self._by_status_now(query)
         async for batch in self._archive.stream(query, after=after):
-            records = _keep(await self.as_they_are(batch), wanted)
+            records = _keep(await self.as_they_are(batch, query.tenant), wanted)
             if records:
                 yield records
 
@@ -96,9 +96,12 @@ class JobViews:
             return query, None
         return dataclasses.replace(query, live_ids=self._live_ids()), query.statuses
 
-    async def as_they_are(self, records: list[JobRecord]) -> list[JobRecord]:
+    async def as_they_are(
+        self, records: list[JobRecord], tenant: str | None = None
+    ) -> list[JobRecord]:
         """Live rows overlaid with what the KV says now (the archive learns a status a moment
-        after the KV): one KV round trip per batch, none for a batch of finished jobs."""
+        after the KV): one KV round trip per batch, none for a batch of finished jobs. Their
+        messages as a reader who sees `tenant`'s jobs (None: every tenant's) is told them."""
         if all(record.status.is_terminal() for record in records):
             return records
         # Queued jobs are not in the KV yet.
@@ -113,7 +116,9 @@ class JobViews:
         except Exception:
             logger.warning("reading live jobs from the KV failed", exc_info=True)
             now = list(records)
-        return [await self.with_wait_message(record) for record in now if record is not None]
+        return [
+            await self.with_wait_message(record, tenant) for record in now if record is not None
+        ]
 
     async def _now(
         self, rows: list[JobRecord], live: list[JobRecord] | None = None
@@ -136,12 +141,13 @@ class JobViews:
             now.append(again if again is not None and again.run_id == row.run_id else None)
         return now
 
-    async def with_wait_message(self, record: JobRecord) -> JobRecord:
+    async def with_wait_message(self, record: JobRecord, tenant: str | None = None) -> JobRecord:
         """A queued job says its place and the cap it waits behind; a pending job handed over
-        that waits for resources says which, and what the cluster has."""
+        that waits for resources says which, and what the cluster has. A reader who sees only
+        `tenant`'s jobs (None: an admin) is told its own tenant's numbers only."""
         if record.status is not JobStatus.PENDING:
             return record
-        queued = self._queue.describe(record.submission_id)
+        queued = self._queue.describe(record.submission_id, own_tenant_only=tenant is not None)
         if queued is not None:
             return record.with_changes(message=queued)
         waiting_for = await self._cluster_resources.describe_wait(record.spec.requested_resources())

@@ -49,10 +49,16 @@ ANONYMOUS_ADMIN = Principal(tenant=DEFAULT_TENANT, role=Role.ADMIN)
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """A tenant's caps (None: no cap of its own; the server-wide caps still apply)."""
+    """A tenant's caps (None: no cap of its own; the server-wide caps still apply). The
+    retention caps are bounded by the server's (--retention-max-jobs, --retention-max-age-s):
+    a larger value keeps nothing longer than the server does."""
 
     max_running: int | None = None
     max_queued: int | None = None
+    max_jobs: int | None = None
+    """Jobs of the tenant kept (live ones count, and are never deleted)."""
+    max_age_s: float | None = None
+    """Seconds a finished job of the tenant is kept after it ended."""
 
 
 NO_LIMITS = TenantLimits()
