@@ -90,7 +90,19 @@ _MIGRATIONS: tuple[str, ...] = (
     CREATE INDEX jobs_tenant_seq ON jobs (tenant, seq);
     CREATE INDEX jobs_tenant_status ON jobs (tenant, status);
     """,
+    # The runs deleted (or withdrawn): a KV record that a failed delete left is never imported
+    # again (recovery.py). The newest MAX_DELETED_RUNS are kept.
+    """
+    CREATE TABLE deleted_runs (
+        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        submission_id TEXT NOT NULL,
+        run_id TEXT NOT NULL
+    );
+    CREATE UNIQUE INDEX deleted_runs_run ON deleted_runs (submission_id, run_id);
+    """,
 )
+# Deleted runs remembered (recovery asks about what the KV still holds at a start).
+MAX_DELETED_RUNS = 100_000
 
 
 class Archive:
@@ -299,6 +311,14 @@ class Archive:
         if row is None or (run_id is not None and row[0] != run_id):
             return False, []
         db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
+        db.execute(
+            "INSERT OR IGNORE INTO deleted_runs (submission_id, run_id) VALUES (?, ?)",
+            (submission_id, row[0]),
+        )
+        db.execute(
+            "DELETE FROM deleted_runs WHERE seq <= (SELECT MAX(seq) FROM deleted_runs) - ?",
+            (MAX_DELETED_RUNS,),
+        )
         event = self._add_event(
             db, JobEventType.DELETED, submission_id, row[1], None, None, None, None
         )
@@ -392,6 +412,10 @@ class Archive:
         if given), from one snapshot: only those records are read."""
         return await self._read(queries.counts_and_unfinished_of, tenant, ids, self.parse_record)
 
+    async def was_deleted(self, submission_id: str, run_id: str) -> bool:
+        """Whether the run was deleted here (or its submit withdrawn)."""
+        return await self._read(_run_was_deleted, submission_id, run_id)
+
     async def unfinished(self) -> list[JobRecord]:
         """Every job not yet terminal, in submission order (what recovery reconciles)."""
         return await self._read(queries.unfinished_jobs)
@@ -450,6 +474,14 @@ class Archive:
 
     async def event_id_range(self) -> tuple[int, int]:
         return await self._read(queries.event_id_range)
+
+
+def _run_was_deleted(db: sqlite3.Connection, submission_id: str, run_id: str) -> bool:
+    row = db.execute(
+        "SELECT 1 FROM deleted_runs WHERE submission_id = ? AND run_id = ?",
+        (submission_id, run_id),
+    ).fetchone()
+    return row is not None
 
 
 def archive_path(state_dir: Path) -> Path:

@@ -42,7 +42,44 @@ GCS_UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
 )
 
+# What a caller may try again: the GCS did not answer (this module's error, or Ray's own from a
+# call that does not go through it: a named actor's lookup).
+RETRYABLE_GCS_ERRORS: tuple[type[BaseException], ...] = (
+    ClusterUnavailableError,
+    *GCS_UNAVAILABLE_ERRORS,
+)
+
 _T = TypeVar("_T")
+
+
+async def retried(
+    what: str,
+    call: Callable[[], Awaitable[_T]],
+    *,
+    attempts: int,
+    initial_delay_s: float,
+    max_delay_s: float = 10.0,
+) -> _T:
+    """`call()`, tried again while the GCS does not answer (after `initial_delay_s`, doubled
+    after each further failure up to `max_delay_s`), at most `attempts` times in all. Each
+    failure is logged with `what` was being done; the last one is raised, as is any other
+    error at once."""
+    delay_s = initial_delay_s
+    for attempt in range(1, attempts + 1):
+        try:
+            return await call()
+        except RETRYABLE_GCS_ERRORS as error:
+            if attempt == attempts:
+                logger.warning(
+                    "%s failed %d times; giving up: %s", what, attempts, _first_line(error)
+                )
+                raise
+            logger.warning(
+                "%s failed (%s); trying again in %.1f s", what, _first_line(error), delay_s
+            )
+        await asyncio.sleep(delay_s)
+        delay_s = min(delay_s * 2, max_delay_s)
+    raise ValueError(f"attempts must be at least 1, not {attempts}")
 
 
 class GcsKv:

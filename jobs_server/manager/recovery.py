@@ -14,20 +14,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError, JobNotFoundError
 from jobs_server.manager.archive import Archive
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.kv import retried
 from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor_calls import first_line
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
+
+# While the GCS does not answer, the start's reads of it are tried this often in all, and each
+# job's recovery this often (a job still failing then ends FAILED, and the server starts), the
+# first wait this long, doubled after each failure.
+LISTING_ATTEMPTS = 6
+JOB_ATTEMPTS = 4
+RETRY_INITIAL_S = 0.5
+# How long a job that could not be recovered waits for its supervisor to stop it.
+STOP_WAIT_S = 5.0
+
+_T = TypeVar("_T")
 
 
 class Recovery:
@@ -55,45 +70,165 @@ class Recovery:
         self._incarnations: dict[str, str | None] = {}
 
     async def recover(self) -> None:
-        """Adopt, start or fail every job that has not ended; retire what nobody needs."""
-        busy_supervisors = set()
-        live_supervisors = await asyncio.to_thread(self._supervisors.live_names)
-        in_kv = {record.submission_id: record for record in await self._store.live_records()}
+        """Adopt, start or fail every job that has not ended; retire what nobody needs. One
+        job that cannot be recovered ends FAILED with the reason; the others are recovered."""
+        busy_supervisors: set[str | None] = set()
+        live_supervisors = await retried(
+            "listing the live supervisors",
+            lambda: asyncio.to_thread(self._supervisors.live_names),
+            attempts=LISTING_ATTEMPTS,
+            initial_delay_s=RETRY_INITIAL_S,
+        )
+        in_kv = {
+            record.submission_id: record
+            for record in await retried(
+                "reading the live jobs in the KV",
+                self._store.live_records,
+                attempts=LISTING_ATTEMPTS,
+                initial_delay_s=RETRY_INITIAL_S,
+            )
+        }
         unfinished = {record.submission_id: record for record in await self._archive.unfinished()}
         for record in in_kv.values():
-            if record.submission_id not in unfinished and not await self._import(record):
+            if record.submission_id not in unfinished and not await self._each_job(
+                record, functools.partial(self._import, record)
+            ):
                 continue
             unfinished.setdefault(record.submission_id, record)
-        for job_id, row in unfinished.items():
-            found = in_kv.get(job_id)
-            if found is None or found.run_id != row.run_id:
-                await self._reconcile_without_kv(row)
-                busy_supervisors.add(row.supervisor_name)
-                continue
-            record = found
-            await self._archive.update(record)
-            if not record.status.is_terminal():
-                await self._adopt(record)
-                busy_supervisors.add(record.supervisor_name)
-            elif record.supervisor_name in live_supervisors and is_dedicated(
-                record.supervisor_name
-            ):
-                # It ended while no server watched: pull what is left of its log from its
-                # node, then retire its supervisor.
-                await self._adopt(record)
-            else:
-                await self._history.forget(record)
+        for row in unfinished.values():
+            await self._each_job(
+                row,
+                functools.partial(self._reconcile, row, in_kv, live_supervisors, busy_supervisors),
+            )
         for name in self._supervisors.stale_shared_names(live_supervisors):
             if name not in busy_supervisors:
                 logger.info(
                     "retiring idle supervisor %s of an earlier server version or setting", name
                 )
-                await asyncio.to_thread(self._supervisors.kill, name)
+                try:
+                    await asyncio.to_thread(self._supervisors.kill, name)
+                except Exception:
+                    logger.warning("retiring supervisor %s failed", name, exc_info=True)
+
+    async def _reconcile(
+        self,
+        row: JobRecord,
+        in_kv: dict[str, JobRecord],
+        live_supervisors: set[str],
+        busy_supervisors: set[str | None],
+    ) -> None:
+        """Adopt, start, queue, fail or forget the unfinished job `row` as the KV has it."""
+        found = in_kv.get(row.submission_id)
+        if found is None or found.run_id != row.run_id:
+            await self._reconcile_without_kv(row)
+            busy_supervisors.add(row.supervisor_name)
+            return
+        record = found
+        await self._archive.update(record)
+        if not record.status.is_terminal():
+            await self._adopt(record)
+            busy_supervisors.add(record.supervisor_name)
+        elif record.supervisor_name in live_supervisors and is_dedicated(record.supervisor_name):
+            # It ended while no server watched: pull what is left of its log from its node,
+            # then retire its supervisor.
+            await self._adopt(record)
+        else:
+            await self._history.forget(record)
+
+    async def _each_job(self, record: JobRecord, step: Callable[[], Awaitable[_T]]) -> _T | None:
+        """`step()` of the job `record`'s recovery, tried again while the GCS does not answer.
+        If it still fails, or fails otherwise (a record Ray will not start a supervisor for),
+        the job ends FAILED with the reason and None is returned: one job never keeps the
+        server from starting."""
+        try:
+            return await retried(
+                f"recovering job {record.submission_id}",
+                step,
+                attempts=JOB_ATTEMPTS,
+                initial_delay_s=RETRY_INITIAL_S,
+            )
+        except Exception as error:
+            logger.exception("job %s could not be recovered", record.submission_id)
+            await self._give_up(record, error)
+            return None
+
+    async def _give_up(self, record: JobRecord, error: Exception) -> None:
+        """End a job that could not be recovered FAILED, saying why: in the KV if it takes it
+        (the first end wins there), in the archive in any case; what may still run of it is
+        asked to stop."""
+        changes: dict[str, Any] = {
+            "status": JobStatus.FAILED,
+            "error_type": (
+                JobErrorType.JOB_SUPERVISOR_ACTOR_START_FAILURE
+                if record.status is JobStatus.PENDING
+                else JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
+            ),
+            "message": (
+                f"The job could not be recovered when the server started: {first_line(error)}"
+            ),
+        }
+        ended: JobRecord | None = None
+        try:
+            ended = await self._store.update(record.submission_id, record.run_id, **changes)
+        except Exception as kv_error:  # the KV may be what failed, or it lacks the run
+            logger.warning(
+                "the KV did not take job %s's end: %s", record.submission_id, first_line(kv_error)
+            )
+        if ended is None or ended.run_id != record.run_id:
+            ended = record.with_changes(end_time=now_ms(), **changes)
+        logger.warning("job %s failed: %s", record.submission_id, ended.message)
+        await self._stop_what_runs(record)
+        try:
+            if await self._archive.update(ended) is None:
+                # Its import was what failed: it is archived as it ended.
+                with contextlib.suppress(DuplicateJobError):  # another run of the id is there
+                    await self._archive.insert(ended)
+        except Exception:
+            # The KV has its end, if it took it: the next start archives it.
+            logger.exception("archiving the end of job %s failed", record.submission_id)
+            return
+        await self._history.forget(ended)
+
+    async def _stop_what_runs(self, record: JobRecord) -> None:
+        """Ask the supervisor of a job ended here to stop what may still run of it (best
+        effort, bounded: a supervisor that cannot be reached is as good as gone)."""
+        if record.status is JobStatus.PENDING and record.supervisor_name is None:
+            return
+        name = record.supervisor_name or ""
+        try:
+            if is_dedicated(name):
+                await asyncio.wait_for(asyncio.to_thread(self._supervisors.kill, name), STOP_WAIT_S)
+                return
+            supervisor = await asyncio.wait_for(
+                asyncio.to_thread(self._supervisors.find, name), STOP_WAIT_S
+            )
+            if supervisor is not None:
+                await asyncio.wait_for(
+                    supervisor.stop_job.remote(record.submission_id, 0), STOP_WAIT_S
+                )
+        except Exception:
+            logger.warning(
+                "asking supervisor %s to stop job %s failed",
+                name,
+                record.submission_id,
+                exc_info=True,
+            )
 
     async def _import(self, record: JobRecord) -> bool:
         """Archive a KV record the archive does not list as unfinished: True if it is new here
         (imported) and needs reconciling; an ended row or another run is forgotten in the KV."""
         archived = await self._archive.get(record.submission_id)
+        if archived is None and await self._archive.was_deleted(
+            record.submission_id, record.run_id
+        ):
+            # Deleted (or its submit withdrawn) while the KV did not take the delete: it
+            # never comes back.
+            logger.info(
+                "job %s was deleted; forgetting what the KV kept of it", record.submission_id
+            )
+            with contextlib.suppress(Exception):  # logged; the next start tries again
+                await self._store.delete(record)
+            return False
         if archived is None:
             logger.info("importing job %s from the KV into the archive", record.submission_id)
             try:
@@ -101,6 +236,8 @@ class Recovery:
             except DuplicateJobError:
                 return False
             return True
+        if archived.run_id == record.run_id and not archived.status.is_terminal():
+            return True  # imported by an earlier try of this start, whose next step failed
         # Archived as ended (or another run of the id): what is left in the KV is stale.
         if archived.run_id == record.run_id:
             await self._archive.update(record)  # a terminal row stays as it is

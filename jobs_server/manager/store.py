@@ -16,8 +16,10 @@ import asyncio
 import logging
 from typing import Any
 
+from pydantic import ValidationError
+
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.kv import GcsKv, retried
 from jobs_server.manager.records import (
     JobRecord,
     JobStatus,
@@ -30,6 +32,11 @@ logger = logging.getLogger(__name__)
 
 _JOB_KEY_PREFIX = "job:"
 _END_KEY_PREFIX = "end:"
+# A delete the GCS did not answer is tried this often in all, the first wait this long (doubled
+# after each): a run left here would come back at the next start, were the archive not to say
+# that it was deleted (recovery.py).
+DELETE_ATTEMPTS = 3
+DELETE_RETRY_INITIAL_S = 0.25
 
 
 def _job_key(submission_id: str) -> str:
@@ -118,33 +125,55 @@ class JobStore:
         the ends not yet archived). Only recovery reads this, once at start."""
         keys = await self._kv.keys_with_prefix(_JOB_KEY_PREFIX)
         values = await self._kv.get_many(keys)
-        records = [JobRecord.model_validate_json(value) for value in values.values()]
+        records = []
+        for key, value in values.items():
+            try:
+                records.append(JobRecord.model_validate_json(value))
+            except ValidationError as error:
+                # Nothing of it can be run or failed (not even its id is sure): it is left
+                # where it is, for a person to look at, and the other jobs are recovered.
+                logger.error(
+                    "the KV's %s is not a job record this server can read; left as it is: %s",
+                    key,
+                    str(error).splitlines()[0],
+                )
         return list((await self.current(records)).values()) if records else []
 
     async def delete(self, record: JobRecord) -> None:
         """Forget the job's run `record` here: its live record (if it is still this run's) and
-        its end. The archive keeps its history."""
+        its end. The archive keeps its history. Tried again while the GCS does not answer
+        (each failure logged); ClusterUnavailableError if it still does not."""
         job_id, run_id = record.submission_id, record.run_id
         deleting = asyncio.get_running_loop().create_future()
         self._deleting.setdefault(job_id, set()).add(deleting)
         try:
-            created = self._created_runs.get(job_id)
-            if created == run_id:
-                del self._created_runs[job_id]
-                # This run's record, or a late write of an older run's: no newer run's.
-                await self._kv.delete(_job_key(job_id))
-            elif created is None:  # a run of an earlier server: the record says whose it is
-                live = await self._kv.get(_job_key(job_id))
-                if live is not None and self._parse(live).run_id == run_id:
-                    await self._kv.delete(_job_key(job_id))
-            # Else a newer run was created since: its record stays.
-            await self._kv.delete(_end_key(job_id, run_id))
+            await retried(
+                f"forgetting job {job_id}'s run {run_id} in the KV",
+                lambda: self._delete_run(job_id, run_id),
+                attempts=DELETE_ATTEMPTS,
+                initial_delay_s=DELETE_RETRY_INITIAL_S,
+            )
         finally:
             deletes = self._deleting[job_id]
             deletes.discard(deleting)
             if not deletes:
                 del self._deleting[job_id]
             deleting.set_result(None)
+
+    async def _delete_run(self, job_id: str, run_id: str) -> None:
+        created = self._created_runs.get(job_id)
+        if created == run_id:
+            # This run's record, or a late write of an older run's: no newer run's.
+            await self._kv.delete(_job_key(job_id))
+            # Kept until deleted: a try again after a failure deletes it the same way (no run
+            # is created while a delete is on its way).
+            del self._created_runs[job_id]
+        elif created is None:  # a run of an earlier server: the record says whose it is
+            live = await self._kv.get(_job_key(job_id))
+            if live is not None and self._parse(live).run_id == run_id:
+                await self._kv.delete(_job_key(job_id))
+        # Else a newer run was created since: its record stays.
+        await self._kv.delete(_end_key(job_id, run_id))
 
     async def delete_end(self, record: JobRecord) -> None:
         """Forget the end of the run `record` (its live key may be another run's by now)."""
