@@ -21,7 +21,7 @@ from jobs_server.manager.dispatcher import Dispatcher
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
-from jobs_server.manager.records import JobRecord, JobStatus, now_ms
+from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -85,7 +85,11 @@ class JobStopper:
                 return False
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
-        if record.status is JobStatus.RUNNING and supervisor is not None:
+        if record.status is JobStatus.RUNNING:
+            if supervisor is None:
+                # Its supervisor died (and its processes with it) as the stop came, before
+                # its watcher recorded the end: the job FAILED, it did not stop.
+                return await self._end_with_its_supervisor(record, name)
             await self._ask_to_stop(record, supervisor, grace_period_s)
             return True
         # PENDING here, but the command may have started since (its start is written a moment
@@ -124,6 +128,30 @@ class JobStopper:
         elif supervisor is not None:
             await supervisor.stop_job.remote(submission_id, 0)
         return True
+
+    async def _end_with_its_supervisor(self, record: JobRecord, name: str) -> bool:
+        """Record a running job whose supervisor is gone FAILED (compare-and-set: an end
+        recorded first, its watcher's, stays); False: it had ended before the stop."""
+        try:
+            ended = await self._store.update(
+                record.submission_id,
+                record.run_id,
+                status=JobStatus.FAILED,
+                error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
+                message=(
+                    f"The job's supervisor ({name}) died; its processes ended with it. Its "
+                    "output until then is in the log."
+                ),
+            )
+        except JobNotFoundError:
+            # Its end was archived and forgotten here meanwhile: the archive says how it ended.
+            stored = await self._read_record(record.submission_id, None)
+            if stored.run_id != record.run_id or not stored.status.is_terminal():
+                raise
+            return False
+        logger.warning("job %s: %s", record.submission_id, ended.message)
+        await self._ends.archive(ended)
+        return False
 
     async def _learn_end(self, record: JobRecord) -> None:
         """Archive the end a supervisor recorded in the KV; on a full disk its watcher does,

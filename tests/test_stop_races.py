@@ -1,0 +1,104 @@
+"""A stop that meets another end (issue 32, items 11 and 12): the job ends as it truly did. A
+stop that comes just after the job's supervisor died leaves it FAILED with the death's reason,
+not STOPPED "before it started"; a stop that comes just after the command exited on its own
+leaves it ended as its command did. Real Ray, real processes; the interleavings are injected."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import ray
+
+from jobs_server.manager import JobSpec, JobStatus
+from jobs_server.manager.records import JobErrorType
+from jobs_server.manager.watcher import JobWatchers
+from tests.conftest import kill_actors_in_namespace
+from tests.managers import running_manager
+
+
+async def until(predicate: Callable[[], Awaitable[object]], what: str) -> None:
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if await predicate():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    name = f"test_stop_races_{uuid.uuid4().hex[:8]}"
+    yield name
+    kill_actors_in_namespace(name)
+
+
+def actor_is_gone(name: str, namespace: str) -> bool:
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return True
+    return False
+
+
+async def test_a_stop_just_after_the_supervisor_died_leaves_the_job_failed_with_its_reason(
+    ray_connection: str, tmp_path: Path, namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The watcher learns of the death as the stop comes: it records the failure only once the
+    # stop has answered (the order in which the two met in the field).
+    stop_answered = asyncio.Event()
+    record_failure = JobWatchers._record_failure
+
+    async def after_the_stop(self: JobWatchers, *args: Any) -> None:
+        await stop_answered.wait()
+        await record_failure(self, *args)
+
+    monkeypatch.setattr(JobWatchers, "_record_failure", after_the_stop)
+    async with running_manager(ray_connection, namespace, tmp_path / "state") as (manager, _):
+        # Resources: a supervisor of its own, which dies alone.
+        submitted = await manager.submit_job(
+            JobSpec(entrypoint="sleep 60", submission_id="died", entrypoint_num_cpus=0.1)
+        )
+
+        async def running() -> bool:
+            return (await manager.get_job("died")).status is JobStatus.RUNNING
+
+        await until(running, "the job to run")
+        name = submitted.supervisor_name
+        assert name is not None
+        # Its process killed at once (SIGKILL): it writes nothing more, as a supervisor whose
+        # node or process died. The job's first process is its child.
+        job = await manager.get_job("died")
+        assert job.driver_pid is not None
+        os.kill(psutil.Process(job.driver_pid).ppid(), signal.SIGKILL)
+
+        async def gone() -> bool:
+            return actor_is_gone(name, namespace)
+
+        await until(gone, "the supervisor's name to be released")
+        assert (await manager.get_job("died")).status is JobStatus.RUNNING
+        try:
+            stopped = await manager.stop_job("died", 0)
+        finally:
+            stop_answered.set()
+
+        async def ended() -> bool:
+            return (await manager.get_job("died")).status.is_terminal()
+
+        await until(ended, "the job's end")
+        job = await manager.get_job("died")
+        assert job.status is JobStatus.FAILED, job
+        assert job.error_type == JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
+        assert job.message is not None
+        assert "supervisor" in job.message
+        assert "died" in job.message
+        assert "before it started" not in job.message
+        assert stopped is False  # it had ended (with its supervisor) before the stop
