@@ -19,10 +19,18 @@ import pytest
 import ray
 
 from jobs_server.manager import JobSpec, JobStatus
-from jobs_server.manager.records import JobErrorType
+from jobs_server.manager.attempts import JobAttempts
+from jobs_server.manager.command_start import CommandProcess
+from jobs_server.manager.containment import Containment
+from jobs_server.manager.job_run import JobRun, SupervisedJob
+from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id
+from jobs_server.manager.store import JobStore
 from jobs_server.manager.watcher import JobWatchers
 from tests.conftest import kill_actors_in_namespace
+from tests.fork_servers import subreaper_fork_server, wait_until
 from tests.managers import running_manager
+from tests.test_attempt_faults import Host
 
 
 async def until(predicate: Callable[[], Awaitable[object]], what: str) -> None:
@@ -102,3 +110,63 @@ async def test_a_stop_just_after_the_supervisor_died_leaves_the_job_failed_with_
         assert "died" in job.message
         assert "before it started" not in job.message
         assert stopped is False  # it had ended (with its supervisor) before the stop
+
+
+class NamespaceHost(Host):
+    """A supervisor's side of an attempt, its jobs in PID namespaces of their own."""
+
+    async def prepare_processes(self) -> Containment:
+        return Containment.PID_NAMESPACE
+
+
+async def test_a_stop_that_meets_the_commands_own_exit_leaves_the_job_ended_as_it_did(
+    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command exits on its own (0) after the supervisor found it running and before the
+    SIGTERM reaches it: the job SUCCEEDED, as its command did; it was not stopped."""
+    store = JobStore(GcsKv(ray_connection, f"stop-races-{uuid.uuid4().hex}"))
+    run_id = new_run_id()
+    go = tmp_path / "go"
+    entrypoint = f"echo all of it; while [ ! -e {go} ]; do sleep 0.01; done; echo the end"
+    await store.create(
+        JobRecord(spec=JobSpec(entrypoint=entrypoint, submission_id="race"), run_id=run_id)
+    )
+    job = SupervisedJob(
+        submission_id="race",
+        entrypoint=entrypoint,
+        log_path=tmp_path / "race.log",
+        runtime_env={},
+        metadata={},
+        stop_grace_s=5.0,
+        run_id=run_id,
+    )
+    run = JobRun(job=job, log_path=job.log_path)
+    has_ended = JobAttempts._run_until_end.__globals__["command_has_ended"]
+    checks: list[bool] = []
+
+    def exits_right_after_the_check(process: CommandProcess, containment: Containment) -> bool:
+        # "Has it ended?" says no; then the command exits on its own, before the SIGTERM.
+        answer = has_ended(process, containment)
+        checks.append(answer)
+        go.touch()
+        deadline = time.monotonic() + 30
+        while not has_ended(process, containment):
+            assert time.monotonic() < deadline, "the command did not exit"
+            time.sleep(0.01)
+        return answer
+
+    # Where the method looks the name up: after a manager's test in this process, cloudpickle
+    # (the supervisor's code goes by value) may have given it globals of its own.
+    monkeypatch.setitem(
+        JobAttempts._run_until_end.__globals__, "command_has_ended", exits_right_after_the_check
+    )
+    async with subreaper_fork_server() as forks:
+        attempt = asyncio.create_task(JobAttempts(run, NamespaceHost(store, forks)).run())
+        await wait_until(lambda: run.pid is not None, "the command to start")
+        await asyncio.sleep(0.2)
+        run.stop_requested.set()  # as the supervisor's stop_job does
+        ended = await asyncio.wait_for(attempt, 30)
+    assert ended is not None
+    assert checks == [False], (ended, job.log_path.read_text())
+    assert (ended.status, ended.driver_exit_code) == (JobStatus.SUCCEEDED, 0), ended
+    assert job.log_path.read_text() == "all of it\nthe end\n"

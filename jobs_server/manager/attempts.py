@@ -37,6 +37,7 @@ from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.logs import log_size, read_log_tail
 from jobs_server.manager.process import (
     command_has_ended,
+    ended_before_the_stop,
     ended_with_its_namespace,
     kill_job_processes,
     stop_job_processes,
@@ -301,7 +302,8 @@ class JobAttempts:
             other_roots=self._host.other_roots(run),
             terminated=terminated,
         )
-        return CommandEnd(exit_code=exit_code, stopped=True)
+        # Unless it had exited on its own just before the SIGTERM: it ends as it did.
+        return CommandEnd(exit_code=exit_code, stopped=not ended_before_the_stop(process))
 
     def _time_left_s(self) -> float | None:
         return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())

@@ -92,6 +92,11 @@ def fail(what):
     os._exit(125)
 
 
+# Whether one of FORWARDED (a stop) came while the init's command still ran: a stop that came
+# once it had exited on its own did not end it (zygote.py's init says so to the supervisor).
+stop_reached_command = False
+
+
 def run_init(shell, entrypoint, started_w, env):
     # The namespace's init (pid 1), with FORWARDED blocked: spawns the command, passes those
     # signals to every process of the namespace, reaps the orphans, and returns the command's
@@ -112,6 +117,13 @@ def run_init(shell, entrypoint, started_w, env):
         return 127 << 8
 
     def to_every_process(sig, frame):
+        global stop_reached_command
+        if not stop_reached_command:
+            try:  # exited (not reaped yet) or running: it is this init's to reap
+                exited = os.waitid(os.P_PID, command, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = True  # reaped already
+            stop_reached_command = exited is None
         try:
             os.kill(-1, sig)  # from a namespace's init: all of the namespace but the init
         except OSError:

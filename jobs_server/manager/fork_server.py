@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 # Asyncio's figure for a child whose status someone else collected.
 _UNKNOWN_EXIT_CODE = 255
-# An init exits with 128 + the signal's number for a command that a signal ended.
-_HIGHEST_PLAIN_EXIT_CODE = 128
 
 
 class ForkServerDiedError(OSError):
@@ -50,6 +48,9 @@ class ForkedProcess:
     def __init__(self, pid: int, *, end_path: str | None = None) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self.stop_reached_command: bool | None = None
+        """An init's, once it has exited: whether a stop (a signal it passes on) reached its
+        command while it ran; False if the command ended on its own, a stop coming after."""
         # An init's: where it left the wait status of a command that a signal ended.
         self._end_path = end_path
         self._exited = asyncio.Event()
@@ -72,8 +73,11 @@ class ForkedProcess:
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
         returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
-        if self._end_path is not None and not 0 <= returncode <= _HIGHEST_PLAIN_EXIT_CODE:
-            returncode = _command_end(self._end_path, returncode)
+        if self._end_path is not None and status >= 0:
+            if os.WIFSIGNALED(status):
+                self.stop_reached_command = True  # the init itself was killed: a stop's SIGKILL
+            else:
+                returncode, self.stop_reached_command = _command_end(self._end_path, returncode)
         self.returncode = returncode
         self._exited.set()
 
@@ -84,17 +88,19 @@ class ForkedProcess:
         return self._end_path is not None
 
 
-def _command_end(end_path: str, returncode: int) -> int:
+def _command_end(end_path: str, returncode: int) -> tuple[int, bool]:
     """How the command of an init that exited with `returncode` ended: by the signal whose wait
-    status the init left in `end_path` (zygote.py: `become_init`), or as the init did."""
+    status the init left in `end_path` (zygote.py: `become_init`), or as the init did; and
+    whether a stop reached it while it ran (the init says " stopped" there)."""
     try:
         with open(end_path, "rb") as end:
-            status = int(end.read())
+            status, *stopped = end.read().split()
+        command_returncode = os.waitstatus_to_exitcode(int(status))
     except (OSError, ValueError):
-        return returncode  # none left: the command's own exit code (or the init was killed)
+        return returncode, False  # none left: the command's own exit code
     with contextlib.suppress(OSError):
         os.unlink(end_path)
-    return os.waitstatus_to_exitcode(status)
+    return command_returncode, stopped == [b"stopped"]
 
 
 def _reap_later(pid: int) -> None:

@@ -252,6 +252,13 @@ def command_has_ended(process: CommandProcess, containment: Containment) -> bool
     )
 
 
+def ended_before_the_stop(process: CommandProcess) -> bool:
+    """Whether a command that was being stopped had exited on its own before the stop reached
+    it (between "has it ended?" and the SIGTERM): its namespace's init says so (zygote.py).
+    False where nobody can tell (a launcher between, or no namespace): it counts as stopped."""
+    return getattr(process, "stop_reached_command", None) is False
+
+
 def is_namespace_init(process: CommandProcess) -> bool:
     """Whether the command's process is its PID namespace's init (a fork server's, with no
     launcher: zygote.py), not a launcher or the shell."""

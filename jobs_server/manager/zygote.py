@@ -153,17 +153,20 @@ def become_init(shell, entrypoint, log, started_w, env, end_path):
     # between (a copy of this interpreter less per job). It ends as the command did, but an
     # init cannot end by a signal of its own (the kernel drops it): for a command that a
     # signal ended, it writes the command's wait status to `end_path` for the supervisor and
-    # exits with 128 + the signal's number (what the supervisor reads without the file).
+    # exits with 128 + the signal's number (what the supervisor reads without the file). A
+    # stop that reached the command while it ran is said there too (" stopped"): a stop that
+    # came once it had exited on its own did not end it.
     leave_the_fork_server(log)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor's death (its guardian too)
     status = run_init(shell, entrypoint, started_w, env)
-    if os.WIFSIGNALED(status):
+    if os.WIFSIGNALED(status) or stop_reached_command:
         try:
             end = os.open(end_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-            os.write(end, b"%d" % status)
+            os.write(end, b"%d%s" % (status, b" stopped" if stop_reached_command else b""))
             os.close(end)
         except OSError:
             pass  # the exit code says 128 + the signal
+    if os.WIFSIGNALED(status):
         os._exit(128 + os.WTERMSIG(status))
     os._exit(os.WEXITSTATUS(status))  # and with the init, the kernel kills what is left
 
