@@ -163,11 +163,10 @@ class JobStore:
     async def _delete_run(self, job_id: str, run_id: str) -> None:
         created = self._created_runs.get(job_id)
         if created == run_id:
+            # A try again after a failure (or another delete meanwhile) reads the record first.
+            del self._created_runs[job_id]
             # This run's record, or a late write of an older run's: no newer run's.
             await self._kv.delete(_job_key(job_id))
-            # Kept until deleted: a try again after a failure deletes it the same way (no run
-            # is created while a delete is on its way).
-            del self._created_runs[job_id]
         elif created is None:  # a run of an earlier server: the record says whose it is
             live = await self._kv.get(_job_key(job_id))
             if live is not None and self._parse(live).run_id == run_id:
