@@ -22,13 +22,14 @@ from jobs_server.manager import JobSpec, JobStatus
 from jobs_server.manager.attempts import JobAttempts
 from jobs_server.manager.command_start import CommandProcess
 from jobs_server.manager.containment import Containment
+from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import JobRun, SupervisedJob
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.watcher import JobWatchers
 from tests.conftest import kill_actors_in_namespace
-from tests.fork_servers import subreaper_fork_server, wait_until
+from tests.fork_servers import CONTAINMENTS, subreaper_fork_server, wait_until
 from tests.managers import running_manager
 from tests.test_attempt_faults import Host
 
@@ -112,18 +113,28 @@ async def test_a_stop_just_after_the_supervisor_died_leaves_the_job_failed_with_
         assert stopped is False  # it had ended (with its supervisor) before the stop
 
 
-class NamespaceHost(Host):
-    """A supervisor's side of an attempt, its jobs in PID namespaces of their own."""
+class ContainedHost(Host):
+    """A supervisor's side of an attempt, its jobs held together by `containment`."""
+
+    def __init__(self, store: JobStore, forks: ForkServer, containment: Containment) -> None:
+        super().__init__(store, forks)
+        self._containment = containment
 
     async def prepare_processes(self) -> Containment:
-        return Containment.PID_NAMESPACE
+        return self._containment
 
 
+@pytest.mark.parametrize("containment", CONTAINMENTS)
 async def test_a_stop_that_meets_the_commands_own_exit_leaves_the_job_ended_as_it_did(
-    ray_connection: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ray_connection: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    containment: Containment,
 ) -> None:
     """The command exits on its own (0) after the supervisor found it running and before the
-    SIGTERM reaches it: the job SUCCEEDED, as its command did; it was not stopped."""
+    SIGTERM reaches it: the job SUCCEEDED, as its command did; it was not stopped. In a PID
+    namespace its init tells; without one, the supervisor sees its child exited as it is
+    about to signal it."""
     store = JobStore(GcsKv(ray_connection, f"stop-races-{uuid.uuid4().hex}"))
     run_id = new_run_id()
     go = tmp_path / "go"
@@ -161,7 +172,9 @@ async def test_a_stop_that_meets_the_commands_own_exit_leaves_the_job_ended_as_i
         JobAttempts._run_until_end.__globals__, "command_has_ended", exits_right_after_the_check
     )
     async with subreaper_fork_server() as forks:
-        attempt = asyncio.create_task(JobAttempts(run, NamespaceHost(store, forks)).run())
+        attempt = asyncio.create_task(
+            JobAttempts(run, ContainedHost(store, forks, containment)).run()
+        )
         await wait_until(lambda: run.pid is not None, "the command to start")
         await asyncio.sleep(0.2)
         run.stop_requested.set()  # as the supervisor's stop_job does

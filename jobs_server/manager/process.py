@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import psutil
@@ -32,6 +33,9 @@ from jobs_server.manager.containment import COMMAND_NAMESPACE_PID, Containment
 logger = logging.getLogger(__name__)
 
 JOB_TOKEN_ENV_VAR = "JOBS_SERVER_JOB_TOKEN"
+# The commands a stop found exited on their own as it was about to signal them (see
+# `ended_before_the_stop`), while anything holds them.
+_ENDED_BEFORE_THEIR_STOP: weakref.WeakSet[CommandProcess] = weakref.WeakSet()
 # A SIGKILLed process may take a moment to leave the process table.
 _KILL_ROUNDS = 5
 _KILL_ROUND_WAIT_S = 0.05
@@ -254,9 +258,13 @@ def command_has_ended(process: CommandProcess, containment: Containment) -> bool
 
 def ended_before_the_stop(process: CommandProcess) -> bool:
     """Whether a command that was being stopped had exited on its own before the stop reached
-    it (between "has it ended?" and the SIGTERM): its namespace's init says so (zygote.py).
-    False where nobody can tell (a launcher between, or no namespace): it counts as stopped."""
-    return getattr(process, "stop_reached_command", None) is False
+    it (between "has it ended?" and the SIGTERM): its namespace's init says so (zygote.py),
+    or the command (or its launcher) was found exited as the stop was about to signal it.
+    False otherwise: it counts as stopped."""
+    return (
+        process in _ENDED_BEFORE_THEIR_STOP
+        or getattr(process, "stop_reached_command", None) is False
+    )
 
 
 def is_namespace_init(process: CommandProcess) -> bool:
@@ -350,9 +358,19 @@ async def stop_job_processes(
     the command to exit, then SIGKILL what is left. Return the command's exit code (negative:
     the ending signal)."""
     if not terminated:
-        signal_job_processes(
-            job_token, signal.SIGTERM, process.pid, containment=containment, other_roots=other_roots
-        )
+        if has_exited(process):
+            # It exited on its own since "has it ended?" said no: no stop reaches it (nothing
+            # else reaps it meanwhile: this is the event loop's thread). What it left is
+            # killed below.
+            _ENDED_BEFORE_THEIR_STOP.add(process)
+        else:
+            signal_job_processes(
+                job_token,
+                signal.SIGTERM,
+                process.pid,
+                containment=containment,
+                other_roots=other_roots,
+            )
     await deadline.wait_for_exit(process)
     await kill_job_processes(
         job_token, process.pid, containment=containment, other_roots=other_roots
