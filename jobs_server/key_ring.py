@@ -3,6 +3,11 @@ single admin key of JOBS_SERVER_AUTH_TOKEN / --auth-token-file / Ray's token.
 
 The middleware asks it who a key speaks for (`principal_for`); the queue asks it for a tenant's
 caps (`limits_for`). With no key configured at all, every caller is `ANONYMOUS_ADMIN`.
+
+A key is checked once per request, but a stream can last for hours: each open stream holds its
+key (`hold`), and a reload that takes the key away (removes it, moves it to another tenant, or
+takes away an admin's view of every tenant) revokes the hold, which ends the stream. The single
+admin key is read once at the start and is never revoked by a reload.
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 from aiohttp import web
@@ -31,6 +36,38 @@ ADMIN_TOKEN_PRINCIPAL = Principal(
 _NO_KEYS = TokensFile(principals={}, limits={})
 
 
+class KeyHold:
+    """An open stream's hold on the key it was opened with, and who the key spoke for then.
+    `revoked` says why the key may no longer read what the stream shows (None: it still may);
+    `on_revoke` is called once, on the event loop, when it is revoked."""
+
+    def __init__(self, key: str, principal: Principal) -> None:
+        self.key = key
+        self.principal = principal
+        self.revoked: str | None = None
+        self.on_revoke: Callable[[], None] | None = None
+
+    def revoke(self, reason: str) -> None:
+        if self.revoked is not None:
+            return
+        self.revoked = reason
+        if self.on_revoke is not None:
+            self.on_revoke()
+
+
+def lost_access(before: Principal, now: Principal | None) -> str | None:
+    """Why a stream opened as `before` must end now that its key speaks for `now` (None: it
+    may go on). A role that still reads what it read before keeps it: another role of the same
+    tenant, unless an admin (who read every tenant) is one no more."""
+    if now is None:
+        return "the key was revoked"
+    if now.tenant != before.tenant:
+        return "the key was moved to another tenant"
+    if before.tenant_scope is None and now.tenant_scope is not None:
+        return "the key is no longer an admin's"
+    return None
+
+
 class KeyRing:
     """Every key the server accepts now. `reload()` swaps in the tokens file as it is on disk,
     or keeps the keys it has when the file is not valid."""
@@ -41,15 +78,36 @@ class KeyRing:
         self.tokens_file = tokens_file
         self._keys = _NO_KEYS if tokens_file is None else load_tokens_file(tokens_file)
         self._reload_listeners: list[Callable[[], None]] = []
+        self._holds: set[KeyHold] = set()
 
     def add_reload_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener` (on the event loop) after each reload that took: the queue hands
         over what tenants' new caps allow."""
         self._reload_listeners.append(listener)
 
+    @contextlib.contextmanager
+    def hold(self, hold: KeyHold) -> Iterator[KeyHold]:
+        """Keep `hold` for the block: the reloads meanwhile revoke it if they take its key
+        away. Checked at once too: a reload between the request's check and now counts."""
+        self._revoke_if_lost(hold)
+        self._holds.add(hold)
+        try:
+            yield hold
+        finally:
+            self._holds.discard(hold)
+
+    def _revoke_if_lost(self, hold: KeyHold) -> None:
+        reason = lost_access(hold.principal, self.principal_for(hold.key))
+        if reason is not None:
+            logger.info("ending a stream of the key %s: %s", hold.principal.key_name or "?", reason)
+            hold.revoke(reason)
+
     def _reloaded(self, reload: asyncio.Task[bool]) -> None:
         if reload.cancelled() or reload.exception() is not None or not reload.result():
             return
+        # Streams first: every reload is an event for the streams open now (one digest each).
+        for hold in list(self._holds):
+            self._revoke_if_lost(hold)
         for listener in self._reload_listeners:
             try:
                 listener()

@@ -9,7 +9,7 @@ from aiohttp import web
 from jobs_server.auth import AccessPolicy
 from jobs_server.disk_guard import DiskGuard
 from jobs_server.job_details_cache import JobDetailsJsonCache
-from jobs_server.key_ring import KeyRing
+from jobs_server.key_ring import KeyHold, KeyRing
 from jobs_server.manager import (
     ClusterHealth,
     ClusterInfo,
@@ -46,3 +46,6 @@ AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)
 # Who calls, set by the authentication middleware on every request that needs a key (and on
 # every request when the server has none): handlers scope the manager's calls by it.
 PRINCIPAL_KEY = web.RequestKey("principal", Principal)
+# A streamed response's hold on the key it was opened with (see streams.py): made by the first
+# of its parts that asks, kept by the key ring while the stream is open.
+KEY_HOLD_KEY = web.RequestKey("key_hold", KeyHold)

@@ -4,7 +4,8 @@ Each event is one change of one job (submitted, a status change, deleted) with a
 id; `Last-Event-ID` (or `?after=`) resumes after it with no gap and no duplicate, also across a
 restart. An id older than the server keeps gets a `reset` event (list again, as Kubernetes'
 410 Gone), then the stream continues from now; so does a stream whose client fell behind the kept
-window (never a silent gap). Heartbeats every 15 s keep proxies open.
+window (never a silent gap). Heartbeats every 15 s keep proxies open. A stream whose key is
+revoked (a reload of the tokens file) ends, saying why last (`revoked`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from jobs_server.manager.events import JobEvent
 from jobs_server.manager.records import JobStatus
 from jobs_server.query_params import parse_statuses
 from jobs_server.request_body import describe_validation_error
-from jobs_server.streams import CLIENT_CHECK_S, open_stream
+from jobs_server.streams import CLIENT_CHECK_S, REVOKED_EVENT, open_stream
 
 routes = web.RouteTableDef()
 
@@ -80,6 +81,8 @@ async def _sse(request: web.Request, items: FeedItems) -> web.StreamResponse:
                 await response.send(reset_json(item), event="reset")
             else:
                 await response.send(event_json(item), id=str(item.id), event="job")
+        if stream.revoked is not None:
+            await response.send(stream.revoked_json(), event=REVOKED_EVENT)
     return response
 
 
@@ -98,6 +101,8 @@ async def _ndjson(request: web.Request, items: FeedItems) -> web.StreamResponse:
                 line = event_json(item)
             await stream.write(line.encode() + b"\n")
             last_write = time.monotonic()
+        if stream.revoked is not None:
+            await stream.write(stream.revoked_json().encode() + b"\n")
     return response
 
 

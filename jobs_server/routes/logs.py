@@ -8,7 +8,8 @@
   reconnect with `Last-Event-ID` resumes exactly.
 
 Everything that can fail is checked before the headers go out; after them, `open_stream` ends a
-stream cleanly when the client leaves, the job is deleted or the server shuts down.
+stream cleanly when the client leaves, the job is deleted, the server shuts down or the key is
+revoked.
 """
 
 from __future__ import annotations
@@ -28,7 +29,12 @@ from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
 from jobs_server.request_body import describe_validation_error
-from jobs_server.streams import CLIENT_CHECK_S, follower_should_stop, open_stream
+from jobs_server.streams import (
+    CLIENT_CHECK_S,
+    REVOKED_EVENT,
+    follower_should_stop,
+    open_stream,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +168,7 @@ def _byte_range(request: web.Request, size: int) -> tuple[int, int]:
 @routes.get("/api/jobs/{job_id}/logs/tail", name="tail_job_logs")
 async def tail_job_logs(request: web.Request) -> web.StreamResponse:
     """Websocket: text frames of the log; closes with 1000 once the job has ended and every
-    byte was sent, with 1001 when the server shuts down."""
+    byte was sent, with 1001 when the server shuts down, with 1008 when the key is revoked."""
     query = _parse_query(request, LogStreamQuery)
     chunks = await request.app[JOB_MANAGER_KEY].read_logs(
         request.match_info["job_id"],
@@ -183,7 +189,7 @@ async def tail_job_logs(request: web.Request) -> web.StreamResponse:
 async def stream_job_logs(request: web.Request) -> web.StreamResponse:
     """Server-Sent Events: each event's data is a JSON string of log text and its id the byte
     offset after it; `Last-Event-ID` (or `?offset=`) resumes there. A final `end` event carries
-    the job's status."""
+    the job's status; a `revoked` event says why the stream of a revoked key ended."""
     manager, job_id = request.app[JOB_MANAGER_KEY], request.match_info["job_id"]
     tenant = request[PRINCIPAL_KEY].tenant_scope
     offset = _parse_query(request, LogStreamQuery).offset
@@ -204,7 +210,9 @@ async def stream_job_logs(request: web.Request) -> web.StreamResponse:
             if text:
                 await response.send(json.dumps(text), id=str(next_offset))
                 offset = next_offset
-        if not stream.cut_short:  # the job has ended (or is gone: then no `end`)
+        if stream.revoked is not None:
+            await response.send(stream.revoked_json(), event=REVOKED_EVENT)
+        elif not stream.cut_short:  # the job has ended (or is gone: then no `end`)
             job = await manager.get_job(job_id, tenant=tenant)
             await response.send(
                 json.dumps({"status": job.status, "offset": offset}), event="end", id=str(offset)
