@@ -25,7 +25,7 @@ from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
+from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY, SETTINGS_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
 from jobs_server.request_body import describe_validation_error
@@ -64,6 +64,9 @@ routes = web.RouteTableDef()
 
 # Keeps idle streams alive through proxies and notices clients that went away.
 HEARTBEAT_S = 15.0
+# The longest a websocket waits for the client's answer to its close frame (a client that
+# answers does so within a round trip); at most --shutdown-timeout-s.
+WEBSOCKET_CLOSE_WAIT_S = 2.0
 TEXT_CONTENT_TYPE = "text/plain; charset=utf-8"
 
 
@@ -178,7 +181,10 @@ async def tail_job_logs(request: web.Request) -> web.StreamResponse:
         stop_when=follower_should_stop(request),
         tenant=request[PRINCIPAL_KEY].tenant_scope,
     )
-    websocket = web.WebSocketResponse(heartbeat=HEARTBEAT_S)
+    # aiohttp waits 10 s for the client's answer to our close frame by default: a client that
+    # never answers would hold a shutdown past its timeout.
+    close_wait_s = min(request.app[SETTINGS_KEY].shutdown_timeout_s, WEBSOCKET_CLOSE_WAIT_S)
+    websocket = web.WebSocketResponse(heartbeat=HEARTBEAT_S, timeout=close_wait_s)
     async with open_stream(request, websocket) as stream:
         texts = (text async for text, _ in _texts(stream.chunks(chunks, follows=True)) if text)
         await stream.serve_websocket(websocket, texts)
