@@ -25,7 +25,8 @@ from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import JobRun, SupervisedJob
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id
+from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.watcher import JobWatchers
 from tests.conftest import kill_actors_in_namespace
@@ -183,3 +184,34 @@ async def test_a_stop_that_meets_the_commands_own_exit_leaves_the_job_ended_as_i
     assert checks == [False], (ended, job.log_path.read_text())
     assert (ended.status, ended.driver_exit_code) == (JobStatus.SUCCEEDED, 0), ended
     assert job.log_path.read_text() == "all of it\nthe end\n"
+
+
+async def test_a_stop_of_a_pending_job_whose_command_began_under_a_dead_supervisor_fails_it(
+    ray_connection: str, tmp_path: Path, namespace: str
+) -> None:
+    """Its supervisor died after the command began (its log is there) and before its start
+    was recorded, and no watcher has noticed yet: a stop finds it PENDING without a
+    supervisor. It began, so it did not stop "before it started": it FAILED with its
+    supervisor."""
+    state_dir = tmp_path / "state"
+    async with running_manager(ray_connection, namespace, state_dir) as (manager, archive):
+        began = JobRecord(
+            spec=JobSpec(entrypoint="sleep 60", submission_id="began"),
+            start_time=now_ms(),
+            message="Job is pending.",
+            run_id=new_run_id(),
+        )
+        began = began.with_changes(
+            supervisor_name=f"jobs_server_supervisor:began:{began.run_id}",
+            handed_over_time=now_ms(),
+        )
+        await archive.insert(began)
+        await JobStore(GcsKv(ray_connection, namespace)).create(began)
+        job_log_path(state_dir / "logs", "began").write_text("output until then\n")
+        stopped = await manager.stop_job("began", 0)
+        job = await manager.get_job("began")
+        assert job.status is JobStatus.FAILED, job
+        assert job.error_type == JobErrorType.JOB_SUPERVISOR_ACTOR_DIED
+        assert job.message is not None
+        assert "died" in job.message
+        assert stopped is False

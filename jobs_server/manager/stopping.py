@@ -98,12 +98,19 @@ class JobStopper:
         # the KV is archived now, so a read right after the stop sees it; or it stops the
         # started command as a running job's, with the grace period asked for.
         if supervisor is not None:
-            answer = await self._call_off(record, supervisor, grace_period_s)
+            try:
+                answer = await self._call_off(record, supervisor, grace_period_s)
+            except ActorDiedError:
+                answer, supervisor = None, None
             if answer is JobStatus.RUNNING:
                 return True  # it had started: it is being stopped as a running job is
             if answer is not None:
                 await self._learn_end(record)
                 return True
+        if supervisor is None and await self._watchers.command_began(record):
+            # Its command began (its log is there) under a supervisor that is gone, which
+            # died before it recorded the start: it did not stop before it started.
+            return await self._end_with_its_supervisor(record, name)
         # No supervisor answered (its own one is not up yet, or it is gone): the command has
         # not started. Compare-and-set: if the job ended (or started and was stopped) first,
         # that stays; a supervisor that starts it right now finds the record terminal and
@@ -130,8 +137,9 @@ class JobStopper:
         return True
 
     async def _end_with_its_supervisor(self, record: JobRecord, name: str) -> bool:
-        """Record a running job whose supervisor is gone FAILED (compare-and-set: an end
-        recorded first, its watcher's, stays); False: it had ended before the stop."""
+        """Record a job whose command began under a supervisor that is gone FAILED
+        (compare-and-set: an end recorded first, its watcher's, stays); False: it had ended
+        before the stop."""
         try:
             ended = await self._store.update(
                 record.submission_id,
@@ -168,7 +176,8 @@ class JobStopper:
     ) -> JobStatus | None:
         """Have the supervisor call off a job it may be starting: its terminal status once the
         supervisor has recorded the end and nothing of the job runs, RUNNING if its command
-        had started (it is being stopped), None if the supervisor did not answer in time."""
+        had started (it is being stopped), None if the supervisor did not answer in time;
+        ActorDiedError if it is dead."""
         name = record.supervisor_name or ""
         # Not cancelled when it takes too long (Ray asserts on a cancelled ObjectRef future):
         # it ends with its actor, and its outcome is then read and dropped.
@@ -186,7 +195,7 @@ class JobStopper:
             return None
         try:
             return JobStatus(call.result())
-        except (ActorDiedError, ActorUnavailableError):
+        except ActorUnavailableError:
             return None
 
     async def _ask_to_stop(

@@ -101,6 +101,11 @@ class JobWatchers:
         task = self._current.get(submission_id)
         return None if task is None else task.done()
 
+    async def command_began(self, record: JobRecord) -> bool:
+        """Whether the run's command began: its log is on the head (a command there creates
+        it as it starts, before its start is recorded)."""
+        return await self._launcher.has_log(record)
+
     async def wait(self, timeout_s: float) -> None:
         """Wait at most `timeout_s` for every watched job to end (and its end to be archived)."""
         tasks = list(self._current.values())
