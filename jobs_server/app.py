@@ -53,6 +53,7 @@ from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
     auth_middleware,
+    cluster_health_middleware,
     cross_site_middleware,
     error_middleware,
     metrics_middleware,
@@ -87,6 +88,7 @@ def create_app(
             request_origin_middleware,
             cross_site_middleware,
             auth_middleware,
+            cluster_health_middleware,
         ],
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
     )

@@ -33,6 +33,7 @@ from jobs_server.errors import (
 from jobs_server.keys import (
     ACCESS_POLICY_KEY,
     AUTHENTICATED_KEY,
+    CLUSTER_HEALTH_KEY,
     KEY_RING_KEY,
     METRICS_KEY,
     PRINCIPAL_KEY,
@@ -221,6 +222,33 @@ def _is_own_origin(request: web.Request, origin: str) -> bool:
     written or not)."""
     own = origin_of(request.scheme, request.host)
     return own is not None and parse_origin(origin) == own
+
+
+# What reads or writes the GCS (the live records, Ray's package store; /metrics counts the
+# live jobs by their KV status). Logs are files here and events come from the archive: those
+# are served while the GCS is away.
+ROUTES_THAT_NEED_THE_GCS = frozenset(
+    {
+        "submit_job",
+        "list_jobs",
+        "get_job",
+        "stop_job",
+        "delete_job",
+        "get_package",
+        "upload_package",
+        "metrics",
+    }
+)
+
+
+@web.middleware
+async def cluster_health_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """While the cluster watch knows Ray's GCS is away, what needs it is answered 503 at once,
+    not after its own GCS call has timed out (and a list not with the statuses last known)."""
+    health = request.app.get(CLUSTER_HEALTH_KEY)
+    if health is not None and request.match_info.route.name in ROUTES_THAT_NEED_THE_GCS:
+        health.check()
+    return await handler(request)
 
 
 @web.middleware
