@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import pytest
 
-from jobs_server.manager.cluster_resources import ResourceSnapshot, describe_wait
+from jobs_server.manager import cluster_resources
+from jobs_server.manager.cluster_resources import ClusterResources, ResourceSnapshot, describe_wait
 
 GIB = 2**30
 # Two nodes: only the second has a GPU; 3 of 6 CPUs and 1 of 2 GPUs are in use.
@@ -58,3 +63,34 @@ def test_pending_message_names_what_the_job_waits_for(
     requested: dict[str, float], message: str | None
 ) -> None:
     assert describe_wait(requested, SNAPSHOT) == message
+
+
+async def test_a_resource_read_that_hangs_leaves_the_message_without_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GCS that stops answering must not hold a pending job's status read: the message is
+    built from the last snapshot (here none), and one hung read is never joined by another."""
+    release = threading.Event()
+    reads: list[int] = []
+    snapshot = ResourceSnapshot(total={"CPU": 2.0}, available={}, node_totals=[{"CPU": 2.0}])
+
+    def hanging_read() -> ResourceSnapshot:
+        reads.append(1)
+        release.wait(60)
+        return snapshot
+
+    monkeypatch.setattr(cluster_resources, "read_resource_snapshot", hanging_read)
+    monkeypatch.setattr(cluster_resources, "RESOURCES_READ_TIMEOUT_S", 0.2)
+    resources = ClusterResources()
+    try:
+        for _ in range(3):
+            message = await asyncio.wait_for(resources.describe_wait({"CPU": 1.0}), 30)
+            assert message is None  # nothing known yet: no resources to name
+        assert len(reads) == 1
+    finally:
+        release.set()
+    deadline = time.monotonic() + 30
+    while (message := await resources.describe_wait({"CPU": 1.0})) is None:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert message.startswith("Waiting for resources:")

@@ -11,6 +11,10 @@ import ray
 # A snapshot serves every status read within this long: listing a hundred pending jobs, or
 # polling one, costs one read of the cluster's resources, not one each.
 RESOURCES_REFRESH_S = 1.0
+# The longest a status read waits for the cluster's resources (ray.nodes() has no timeout of
+# its own and waits for a GCS that is away): past it, the message is built from the last
+# snapshot, and the read goes on in its thread for the next status read to use.
+RESOURCES_READ_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -92,15 +96,33 @@ class ClusterResources:
         self._snapshot: ResourceSnapshot | None = None
         self._read_at = 0.0
         self._lock = asyncio.Lock()
+        self._reading: asyncio.Future[ResourceSnapshot] | None = None
+        """A read of the GCS in its thread; one at a time, however long it hangs."""
 
-    async def snapshot(self) -> ResourceSnapshot:
+    async def snapshot(self) -> ResourceSnapshot | None:
+        """A snapshot at most RESOURCES_REFRESH_S old, or else the last one (None: none yet)
+        when the GCS did not answer within RESOURCES_READ_TIMEOUT_S."""
         async with self._lock:
-            if self._snapshot is None or time.monotonic() - self._read_at > RESOURCES_REFRESH_S:
-                self._snapshot = await asyncio.to_thread(read_resource_snapshot)
-                self._read_at = time.monotonic()
-            return self._snapshot
+            if self._snapshot is not None and (
+                time.monotonic() - self._read_at <= RESOURCES_REFRESH_S
+            ):
+                return self._snapshot
+            if self._reading is None:
+                self._reading = asyncio.ensure_future(asyncio.to_thread(read_resource_snapshot))
+            try:
+                snapshot = await asyncio.wait_for(
+                    asyncio.shield(self._reading), RESOURCES_READ_TIMEOUT_S
+                )
+            except TimeoutError:
+                return self._snapshot
+            finally:
+                if self._reading.done():
+                    self._reading = None
+            self._snapshot, self._read_at = snapshot, time.monotonic()
+            return snapshot
 
     async def describe_wait(self, requested: dict[str, float]) -> str | None:
         if not requested:
             return None
-        return describe_wait(requested, await self.snapshot())
+        snapshot = await self.snapshot()
+        return None if snapshot is None else describe_wait(requested, snapshot)
