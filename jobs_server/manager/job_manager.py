@@ -404,6 +404,10 @@ class JobManager:
         watched_has_ended = self._watchers.has_ended(submission_id)
         if watched_has_ended is not None:
             return watched_has_ended
+        # A queued job waits in memory: its log's watcher asks 100 times a second while it
+        # waits, and the archive's row says nothing the queue does not.
+        if submission_id in self._queue:
+            return False
         try:
             return (await self._views.record(submission_id)).status.is_terminal()
         except JobNotFoundError:
