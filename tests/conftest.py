@@ -72,6 +72,32 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def self_signed_certificate(cert: Path, key: Path, *, name: str) -> None:
+    """A certificate for `name` (`IP:127.0.0.1` or `DNS:localhost`) and its key, for a day."""
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+            "-subj",
+            f"/CN={name.split(':', 1)[1]}",
+            "-addext",
+            f"subjectAltName={name}",
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
 # Credentials of the S3-compatible test server (moto accepts any).
 S3_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",

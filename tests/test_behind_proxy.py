@@ -25,7 +25,7 @@ from playwright.async_api import Browser, expect
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import free_port, stop_process_group
+from tests.conftest import free_port, self_signed_certificate, stop_process_group
 from tests.web_page import UI_TIMEOUT_MS
 
 STATUS_FIELD = '[data-field="status"]'
@@ -75,36 +75,11 @@ class Proxy:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=False))
 
 
-def _self_signed_certificate(directory: Path) -> None:
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost",
-            "-keyout",
-            str(directory / "key.pem"),
-            "-out",
-            str(directory / "cert.pem"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-
-
 def _start_nginx(directory: Path, upstream_port: int) -> Proxy:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     assert Path(nginx).exists(), "install Debian's nginx: apt-get install -y nginx"
     directory.mkdir(parents=True, exist_ok=True)
-    _self_signed_certificate(directory)
+    self_signed_certificate(directory / "cert.pem", directory / "key.pem", name="DNS:localhost")
     port = free_port()
     # As root, nginx's workers would become `nobody`, who cannot enter the test's directory.
     user = "user root;" if os.geteuid() == 0 else ""

@@ -26,6 +26,7 @@ from jobs_server.cli import _check_bind
 from jobs_server.settings import Settings
 from tests.conftest import (
     free_port,
+    self_signed_certificate,
     start_jobs_server,
     stop_process_group,
     submit,
@@ -172,28 +173,7 @@ def test_bind_rules(caplog: pytest.LogCaptureFixture) -> None:
 @pytest.fixture
 def tls_files(tmp_path: Path) -> tuple[Path, Path]:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-subj",
-            "/CN=127.0.0.1",
-            "-addext",
-            "subjectAltName=IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    self_signed_certificate(cert, key, name="IP:127.0.0.1")
     return cert, key
 
 
