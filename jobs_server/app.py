@@ -50,6 +50,7 @@ from jobs_server.manager.events import JobEvent
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.retention import RetentionPolicy
+from jobs_server.manager.tenancy import RunAs
 from jobs_server.metrics import ServerMetrics
 from jobs_server.middlewares import (
     auth_middleware,
@@ -203,6 +204,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         job_start_timeout_s=settings.job_start_timeout_s,
         shared_supervisors=settings.shared_supervisors,
         jobs_nice=settings.jobs_nice,
+        jobs_user=None if settings.jobs_user is None else RunAs.of(settings.jobs_user),
         # Bounded like the rest of a graceful stop.
         stop_jobs_on_close_s=(
             max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)

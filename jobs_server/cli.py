@@ -152,6 +152,7 @@ def serve(flags: dict[str, Any]) -> None:
 
     from jobs_server.app import create_app
     from jobs_server.auth import TokenSourceError, resolve_auth_token
+    from jobs_server.manager.tenancy import RunAs
     from jobs_server.request_body import describe_validation_error
     from jobs_server.tokens import TokensFileError, load_tokens_file
 
@@ -166,10 +167,21 @@ def serve(flags: dict[str, Any]) -> None:
     )
     try:
         token = resolve_auth_token(settings)
+        users = set()
         if settings.tokens_file is not None:
-            load_tokens_file(settings.tokens_file)  # checked whole here: an error is no start
+            tokens = load_tokens_file(settings.tokens_file)  # checked whole: an error is no start
+            users = {limits.run_as.name for limits in tokens.limits.values() if limits.run_as}
+        if settings.jobs_user is not None:
+            RunAs.of(settings.jobs_user)
+            users.add(settings.jobs_user)
+        if users and not _can_change_user():
+            sys.exit(
+                f"jobs-server: jobs are to run as {', '.join(sorted(users))} (--jobs-user,"
+                " run_as), but this server cannot change user: it needs root or CAP_SETUID and"
+                " CAP_SETGID"
+            )
         ssl_context = _ssl_context(settings)
-    except (TokenSourceError, TokensFileError, OSError, ssl.SSLError) as error:
+    except (TokenSourceError, TokensFileError, OSError, ssl.SSLError, ValueError) as error:
         sys.exit(f"jobs-server: {error}")
     has_keys = token is not None or settings.tokens_file is not None
     _check_bind(settings, has_token=has_keys)
@@ -222,6 +234,25 @@ def _forget_secrets_in_environment() -> None:
     for name in list(os.environ):
         if name.upper() == AUTH_TOKEN_ENV_VAR:
             del os.environ[name]
+
+
+# Bits of the effective capability set (/proc/self/status CapEff; linux/capability.h).
+_CAP_SETGID, _CAP_SETUID = 6, 7
+
+
+def _can_change_user() -> bool:
+    """Whether this process may set its uid and groups (a job's start changes them)."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("CapEff:"):
+                    effective = int(line.split()[1], 16)
+                    return all(effective >> cap & 1 for cap in (_CAP_SETGID, _CAP_SETUID))
+    except OSError:
+        pass
+    return False
 
 
 def _check_bind(settings: Settings, *, has_token: bool) -> None:

@@ -241,6 +241,15 @@ class Settings(BaseSettings):
         ),
     )
 
+    jobs_user: str | None = Field(
+        None,
+        description=(
+            "The Unix user every job's command runs as (a tenant's run_as in the tokens file"
+            " wins for its jobs); the server must be able to change user (root or"
+            " CAP_SETUID). Default: the server's own user."
+        ),
+    )
+
     @field_validator("cors_origins", "allowed_hosts", "forwarded_allow_ips", mode="before")
     @classmethod
     def _split_commas(cls, value: object) -> object:

@@ -12,6 +12,7 @@ optional caps per tenant. TOML, read with the standard library; checked whole be
     max_queued = 100
     max_jobs = 5000               # and of its history (retention), within the server's
     max_age_s = 86400
+    run_as = "team-a-jobs"        # optional: the Unix user its jobs run as (needs root)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jobs_server.key_digest import DIGEST_PATTERN
-from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, TenantLimits
+from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, RunAs, TenantLimits
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 KEY_NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
@@ -57,6 +58,7 @@ class _TenantEntry(BaseModel):
     # server's may be raised without editing this file) and bounded by the server's where used.
     max_jobs: Annotated[int, Field(ge=1, strict=True)] | None = None
     max_age_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = None
+    run_as: Annotated[str, Field(min_length=1, max_length=64, strict=True)] | None = None
 
 
 class _TokensDocument(BaseModel):
@@ -121,12 +123,22 @@ def parse_tokens(text: str, *, source: str) -> TokensFile:
         )
         for key in document.keys
     }
+    users: dict[str, RunAs] = {}
+    for tenant, entry in document.tenants.items():
+        if entry.run_as is not None:
+            try:
+                users[tenant] = RunAs.of(entry.run_as)
+            except ValueError as error:
+                raise TokensFileError(
+                    f"tokens file {source}: tenants.{tenant!r}.run_as: {error}"
+                ) from None
     limits = {
         tenant: TenantLimits(
             max_running=entry.max_running,
             max_queued=entry.max_queued,
             max_jobs=entry.max_jobs,
             max_age_s=entry.max_age_s,
+            run_as=users.get(tenant),
         )
         for tenant, entry in document.tenants.items()
     }

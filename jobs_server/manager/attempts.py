@@ -173,6 +173,7 @@ class JobAttempts:
                     containment=containment,
                     fork_server=self._host.fork_server(),
                     early_stop=early_stop,
+                    run_as=job.run_as,
                 )
         except OSError as error:
             # A fork server that died as it started the command killed it: not its orphans.

@@ -6,15 +6,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol, overload
 
-from jobs_server.manager.containment import Containment, launch_argv
+from jobs_server.manager.containment import SHELL, Containment, launch_argv
 from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
 from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.tenancy import RunAs
+
+# Changes user, groups first, then execs: util-linux's, at its absolute path (a job's PATH is
+# not looked at while the start still runs as the server's user).
+SETPRIV = "/usr/bin/setpriv"
+ENV = "/usr/bin/env"
+# The markers the job's processes are found by (process.py, guardian.py): the only variables the
+# start has while it runs as the server's user.
+_MARKER_PREFIX = "JOBS_SERVER_"
 
 
 class CommandProcess(Protocol):
@@ -39,6 +49,7 @@ async def start_entrypoint(
     containment: Containment,
     fork_server: None = None,
     early_stop: EarlyStop | None = None,
+    run_as: RunAs | None = None,
 ) -> asyncio.subprocess.Process: ...
 
 
@@ -51,6 +62,7 @@ async def start_entrypoint(
     containment: Containment,
     fork_server: ForkServer | None,
     early_stop: EarlyStop | None = None,
+    run_as: RunAs | None = None,
 ) -> CommandProcess: ...
 
 
@@ -62,6 +74,7 @@ async def start_entrypoint(
     containment: Containment,
     fork_server: ForkServer | None = None,
     early_stop: EarlyStop | None = None,
+    run_as: RunAs | None = None,
 ) -> CommandProcess:
     """Run `entrypoint` with `/bin/sh -c` in a process group of its own (in the fork server's
     session, or a new one for a launcher started here; in a PID namespace of its own if
@@ -71,6 +84,8 @@ async def start_entrypoint(
     Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
     per job)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if run_as is not None:
+        entrypoint, env = as_user(entrypoint, env, run_as)
     if fork_server is not None:
         return await fork_server.spawn(
             entrypoint,
@@ -103,6 +118,29 @@ async def start_entrypoint(
     finally:
         os.close(started_r)
     return process
+
+
+def as_user(entrypoint: str, env: Mapping[str, str], run_as: RunAs) -> tuple[str, dict[str, str]]:
+    """The entrypoint and environment that run `entrypoint` with `env` as `run_as`: the shell
+    that starts as the server's user gets only the markers (a job's LD_PRELOAD, PATH or ENV
+    must not reach a process of the server's user) and execs setpriv, which sets the groups,
+    the gid and the uid, then `env -i` gives the job's shell its whole environment. The log is
+    the descriptor it inherits: the user need not be able to open it."""
+    command = [
+        SETPRIV,
+        f"--groups={','.join(map(str, run_as.groups or (run_as.gid,)))}",
+        f"--regid={run_as.gid}",
+        f"--reuid={run_as.uid}",
+        "--",
+        ENV,
+        "-i",
+        *(f"{name}={value}" for name, value in env.items()),
+        SHELL,
+        "-c",
+        entrypoint,
+    ]
+    markers = {name: value for name, value in env.items() if name.startswith(_MARKER_PREFIX)}
+    return "exec " + shlex.join(command), markers
 
 
 async def _spawn(

@@ -47,7 +47,7 @@ from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.stopping import JobStopper
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisors import Supervisors
-from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, TenantLimits
+from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, RunAs, TenantLimits
 from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ class JobManager:
         tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         jobs_nice: int = 0,
+        jobs_user: RunAs | None = None,
     ) -> None:
         self._log_dir = log_dir
         self._log_watchers = LogWatchers()
@@ -119,6 +120,8 @@ class JobManager:
             stop_grace_s=stop_grace_s,
             head_node_id=self._head_node_id,
             retry_backoff_s=retry_backoff_s,
+            tenant_limits=tenant_limits,
+            jobs_user=jobs_user,
         )
         self._watchers = JobWatchers(
             store=self._store,

@@ -21,6 +21,7 @@ from jobs_server.manager.process import JOB_TOKEN_ENV_VAR, StopDeadline
 from jobs_server.manager.ray_metrics import job_env_without_plumbing_setting
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
+from jobs_server.manager.tenancy import RunAs
 
 # Ray's driver reads its job config (runtime_env, metadata) from this variable, so tasks and
 # actors that the entrypoint starts inherit the job's runtime env.
@@ -53,6 +54,8 @@ class SupervisedJob(BaseModel):
     """The wait before the first retry (doubled for each further one; see retries.py)."""
     start_record_delay_s: float = 0.0
     """How long an attempt runs before its start is written (see attempts.py); 0: at once."""
+    run_as: RunAs | None = None
+    """The user the command runs as (command_start.py); None: the supervisor's."""
 
 
 @dataclass
@@ -120,6 +123,8 @@ def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dic
             SUPERVISOR_TOKEN_ENV_VAR: supervisor_token,
         }
     )
+    if job.run_as is not None:
+        env.update(HOME=job.run_as.home, USER=job.run_as.name, LOGNAME=job.run_as.name)
     return env
 
 

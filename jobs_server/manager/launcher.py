@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.run_batches import RunBatches
 from jobs_server.manager.runtime_envs import runtime_env_for_ray
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
+from jobs_server.manager.tenancy import NO_LIMITS, RunAs, TenantLimits
 
 # A shared supervisor writes a job's start once its command has run this long, or with its end if
 # that comes first: a short job costs one write to the GCS instead of two. Until then the job
@@ -46,6 +48,8 @@ class Launcher:
         stop_grace_s: float,
         head_node_id: str,
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
+        tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
+        jobs_user: RunAs | None = None,
     ) -> None:
         self._supervisors = supervisors
         self._log_dir = log_dir
@@ -53,6 +57,8 @@ class Launcher:
         self._head_node_id = head_node_id
         self._retry_backoff_s = retry_backoff_s
         self._run_batches = RunBatches()
+        self._tenant_limits = tenant_limits
+        self._jobs_user = jobs_user
 
     async def close(self) -> None:
         """Stop asking the shared supervisors for ends (the jobs run on)."""
@@ -114,4 +120,5 @@ class Launcher:
             start_record_delay_s=(
                 0.0 if is_dedicated(record.supervisor_name or "") else SHARED_START_RECORD_DELAY_S
             ),
+            run_as=self._tenant_limits(record.tenant).run_as or self._jobs_user,
         ).model_dump(mode="json")

@@ -6,6 +6,8 @@ scopes every job to a tenant and caps each tenant's queue). No HTTP here.
 
 from __future__ import annotations
 
+import os
+import pwd
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -48,6 +50,28 @@ ANONYMOUS_ADMIN = Principal(tenant=DEFAULT_TENANT, role=Role.ADMIN)
 
 
 @dataclass(frozen=True)
+class RunAs:
+    """A Unix user that jobs run as (`--jobs-user`, a tenant's `run_as`), resolved once where
+    it is named: the job's start changes to these numbers without looking anything up."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    home: str
+
+    @classmethod
+    def of(cls, name: str) -> RunAs:
+        """The user `name`; ValueError if there is no such user."""
+        try:
+            entry = pwd.getpwnam(name)
+        except KeyError:
+            raise ValueError(f"no such user: {name!r}") from None
+        groups = tuple(os.getgrouplist(name, entry.pw_gid))
+        return cls(name, entry.pw_uid, entry.pw_gid, groups, entry.pw_dir)
+
+
+@dataclass(frozen=True)
 class TenantLimits:
     """A tenant's caps (None: no cap of its own; the server-wide caps still apply). The
     retention caps are bounded by the server's (--retention-max-jobs, --retention-max-age-s):
@@ -59,6 +83,8 @@ class TenantLimits:
     """Jobs of the tenant kept (live ones count, and are never deleted)."""
     max_age_s: float | None = None
     """Seconds a finished job of the tenant is kept after it ended."""
+    run_as: RunAs | None = None
+    """The user the tenant's jobs run as (over `--jobs-user`); None: the server's default."""
 
 
 NO_LIMITS = TenantLimits()
