@@ -38,6 +38,17 @@ def _command(value: str) -> str:
     return value
 
 
+def _env_var_problem(name: str, value: object) -> str | None:
+    """Why a process environment cannot hold `name=value` (None: it can)."""
+    if not name:
+        return "runtime_env.env_vars: a name must not be empty"
+    if "\x00" in name or "=" in name:
+        return f"runtime_env.env_vars: the name {name!r} must not contain NUL or '='"
+    if isinstance(value, str) and "\x00" in value:
+        return f"runtime_env.env_vars.{name} must not contain NUL characters"
+    return None
+
+
 def _retried_exit_codes(codes: list[int]) -> list[int]:
     if 0 in codes:
         raise ValueError("0 is success, never retried: list non-zero exit codes")
@@ -108,6 +119,12 @@ class SubmitJobRequest(BaseModel):
 
     @model_validator(mode="after")
     def _bounded_sizes(self) -> SubmitJobRequest:
+        env_vars = (self.runtime_env or {}).get("env_vars")
+        if isinstance(env_vars, dict):
+            for name, value in env_vars.items():
+                problem = _env_var_problem(str(name), value)
+                if problem is not None:
+                    raise ValueError(problem)
         for name, limit in (
             ("metadata", MAX_METADATA_BYTES),
             ("runtime_env", MAX_RUNTIME_ENV_BYTES),
