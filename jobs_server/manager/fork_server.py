@@ -205,6 +205,9 @@ class ForkServer:
         self._starting[job] = started
         fields = [str(job), str(containment), self._shell, os.fspath(log_path), entrypoint]
         fields += [f"{name}={value}" for name, value in env.items()]
+        if any("\0" in field for field in fields) or any(not n or "=" in n for n in env):
+            del self._starting[job]
+            raise OSError("cannot start the job: a NUL, or an empty or '=' env var name")
         frame = b"\0".join(os.fsencode(field) for field in fields)
         self._send(b"%d\n%s" % (len(frame), frame))
         try:
@@ -292,7 +295,9 @@ class ForkServer:
                 pid = self._forked.pop(job, None)
                 if pid is not None:
                     _reap_later(pid)  # the launcher that could not exec its shell
-                self._starting.pop(job).set_exception(OSError(detail.strip().decode()))
+                failed = self._starting.pop(job, None)
+                if failed is not None and not failed.done():
+                    failed.set_exception(OSError(detail.strip().decode()))
 
     def _started(self, job: int) -> None:
         pid = self._forked.pop(job)

@@ -248,6 +248,19 @@ def start(frame):
     poller.register(started_r, select.EPOLLIN)
 
 
+MAX_FRAME_BYTES = 1 << 26
+
+
+def start_or_fail(frame):
+    # A request it cannot parse fails that job alone: the fork server never dies of its input.
+    try:
+        start(frame)
+    except Exception as error:
+        job = frame.split(b"\0", 1)[0]
+        if job.isdigit():
+            report(b"failed", job, ("malformed request: %r" % (error,)).encode())
+
+
 def on_started_pipe(fd):
     data = os.read(fd, 4096)
     if data:
@@ -280,9 +293,14 @@ while True:
         pending += data
         while True:
             header, newline, rest = pending.partition(b"\n")
-            if not newline or len(rest) < int(header):
+            if not newline:
                 break
-            start(rest[: int(header)])
+            if not header.isdigit() or int(header) > MAX_FRAME_BYTES:
+                pending = rest  # not a request's length: skip the line, never die of it
+                continue
+            if len(rest) < int(header):
+                break
+            start_or_fail(rest[: int(header)])
             pending = rest[int(header):]
 """
 )
