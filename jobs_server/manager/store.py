@@ -161,6 +161,14 @@ class JobStore:
             deleting.set_result(None)
 
     async def _delete_run(self, job_id: str, run_id: str) -> None:
+        # The end is deleted even when the live record's delete fails: each key a try gets rid
+        # of is one fewer for the next start to find and reconcile.
+        try:
+            await self._delete_live_record(job_id, run_id)
+        finally:
+            await self._kv.delete(_end_key(job_id, run_id))
+
+    async def _delete_live_record(self, job_id: str, run_id: str) -> None:
         created = self._created_runs.get(job_id)
         if created == run_id:
             # A try again after a failure (or another delete meanwhile) reads the record first.
@@ -172,7 +180,6 @@ class JobStore:
             if live is not None and self._parse(live).run_id == run_id:
                 await self._kv.delete(_job_key(job_id))
         # Else a newer run was created since: its record stays.
-        await self._kv.delete(_end_key(job_id, run_id))
 
     async def delete_end(self, record: JobRecord) -> None:
         """Forget the end of the run `record` (its live key may be another run's by now)."""
