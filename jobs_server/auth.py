@@ -22,8 +22,12 @@ class TokenSourceError(Exception):
 
 
 def resolve_auth_token(settings: Settings) -> str | None:
-    """The token from JOBS_SERVER_AUTH_TOKEN, else --auth-token-file, else Ray's own token when
-    the cluster uses one (RAY_AUTH_MODE=token); None: no authentication."""
+    """The admin token from JOBS_SERVER_AUTH_TOKEN, else --auth-token-file, else Ray's own token
+    when the cluster uses one (RAY_AUTH_MODE=token) and there is no tokens file; None: none.
+
+    Every job under RAY_AUTH_MODE=token is handed Ray's token (its `ray.init()` needs it): where
+    a tokens file says who may do what, Ray's token is a key only if the file lists its digest,
+    and then it speaks for that entry (the key ring looks it up like any other key)."""
     if settings.auth_token is not None:
         token = settings.auth_token.get_secret_value().strip()
     elif settings.auth_token_file is not None:
@@ -32,7 +36,7 @@ def resolve_auth_token(settings: Settings) -> str | None:
         except OSError as error:
             raise TokenSourceError(f"cannot read --auth-token-file: {error}") from error
         token = lines[0].strip() if lines else ""
-    elif os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+    elif settings.tokens_file is None and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
         from jobs_server.manager.ray_cluster import ray_auth_token
 
         token = ray_auth_token() or ""

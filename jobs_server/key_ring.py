@@ -1,5 +1,6 @@
 """The keys the server accepts, as one ring: the tokens file's keys (re-read on SIGHUP) and the
-single admin key of JOBS_SERVER_AUTH_TOKEN / --auth-token-file / Ray's token.
+single admin key of JOBS_SERVER_AUTH_TOKEN / --auth-token-file / Ray's token (Ray's only
+without a tokens file: beside one, it is a key only where the file lists its digest).
 
 The middleware asks it who a key speaks for (`principal_for`); the queue asks it for a tenant's
 caps (`limits_for`). With no key configured at all, every caller is `ANONYMOUS_ADMIN`.
