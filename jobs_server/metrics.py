@@ -1,11 +1,11 @@
-"""Prometheus metrics: HTTP requests by route, jobs by tenant and status, and the queue (its jobs,
-its caps, its refusals, the retries), read when scraped.
+"""Prometheus metrics: HTTP requests by route, jobs by tenant and status, the queue (its jobs,
+its caps, its refusals, the retries) and the jobs each supervisor holds, read when scraped.
 
 The per-tenant series are made for each scrape from the caller's view: an admin sees every
 tenant's series, any other key only its own tenant's, and none of the server-wide series (HTTP
-requests, retention), which count every tenant's traffic together. The caps are configuration,
-not any tenant's work: every caller sees the server's (an unlimited cap is exported as +Inf, so
-`used / cap` is 0 rather than missing)."""
+requests, retention, supervisors), which count every tenant's work together. The caps are
+configuration, not any tenant's work: every caller sees the server's (an unlimited cap is
+exported as +Inf, so `used / cap` is 0 rather than missing)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 
 from jobs_server.manager import JobStatus
 from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import TenantLimits
 
 # The status counted for a request cancelled before its handler returned: nginx's "client closed
@@ -93,16 +94,20 @@ class ServerMetrics:
         by_tenant: Mapping[str, Mapping[JobStatus, int]],
         queue: QueueState,
         *,
-        server_wide: bool,
+        supervisors: SupervisorOccupancy | None = None,
     ) -> bytes:
         """The text exposition format: the per-tenant series of the tenants of `by_tenant` (its
-        job counts, every status, zeros included), the queue's caps, and the server-wide series
-        first if `server_wide`."""
+        job counts, every status, zeros included) and the queue's caps; first, the server-wide
+        series if `supervisors` is given (to an admin only)."""
         scraped = CollectorRegistry(auto_describe=False)
         scraped.register(_JobCounts(by_tenant))
         scraped.register(_QueueSeries(sorted(by_tenant), queue, self))
         text = generate_latest(scraped)
-        return generate_latest(self.registry) + text if server_wide else text
+        if supervisors is None:
+            return text
+        server_wide = CollectorRegistry(auto_describe=False)
+        server_wide.register(_SupervisorSeries(supervisors))
+        return generate_latest(self.registry) + generate_latest(server_wide) + text
 
 
 class _JobCounts(Collector):
@@ -121,6 +126,36 @@ class _JobCounts(Collector):
             for status in JobStatus:
                 gauge.add_metric([tenant, status.value], counts.get(status, 0))
         return [gauge]
+
+
+class _SupervisorSeries(Collector):
+    """How many jobs each shared supervisor holds, and how many have a supervisor of their own.
+
+    A shared supervisor's series is there as long as the supervisor can hold jobs: this
+    server's (`--shared-supervisors`, a bounded set) always, at 0 when idle, so an alert on it
+    sees a value and not a series gone stale; another's (adopted after a restart, retired once
+    idle) only while it holds jobs. One that dies is replaced under its name, so its series
+    falls to 0 as its jobs end FAILED. A supervisor of a job's own is named for the run: a
+    series each would be one per job, so they are counted together."""
+
+    def __init__(self, occupancy: SupervisorOccupancy) -> None:
+        self._occupancy = occupancy
+
+    def collect(self) -> list[Metric]:
+        shared = GaugeMetricFamily(
+            "jobs_server_supervisor_jobs",
+            "Jobs each shared supervisor holds (handed to it, not yet ended), by its Ray actor"
+            " name: its death ends them all, FAILED.",
+            labels=["supervisor"],
+        )
+        for name, jobs in sorted(self._occupancy.shared.items()):
+            shared.add_metric([name], jobs)
+        own = GaugeMetricFamily(
+            "jobs_server_own_supervisor_jobs",
+            "Jobs on a supervisor of their own (a runtime env or resources), one each.",
+            value=self._occupancy.own,
+        )
+        return [shared, own]
 
 
 def _cap(value: int | None) -> float:

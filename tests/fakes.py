@@ -43,6 +43,7 @@ from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
 from jobs_server.manager.runtime_envs import validate_runtime_env
+from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 FAKE_CLUSTER_INFO = ClusterInfo(
@@ -246,6 +247,9 @@ class FakeJobManager:
 
     def queue_occupancy(self) -> dict[str, tuple[int, int]]:
         return {}  # no caps: nothing queued, and no slots are counted
+
+    def supervisor_occupancy(self) -> SupervisorOccupancy:
+        return SupervisorOccupancy(shared={}, own=0)  # no supervisors: nothing runs
 
     async def stop_job(
         self,

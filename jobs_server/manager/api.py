@@ -15,6 +15,7 @@ from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.ray_cluster import ClusterInfo
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 
@@ -70,6 +71,11 @@ class JobManagerApi(Protocol):
 
     def queue_occupancy(self) -> dict[str, tuple[int, int]]:
         """(jobs queued, jobs holding a running slot) by tenant, of the tenants with either."""
+        ...
+
+    def supervisor_occupancy(self) -> SupervisorOccupancy:
+        """How many jobs each shared supervisor holds (all tenants'), and how many have a
+        supervisor of their own."""
         ...
 
     async def stop_job(

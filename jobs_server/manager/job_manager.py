@@ -46,7 +46,7 @@ from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.stopping import JobStopper
 from jobs_server.manager.store import JobStore
-from jobs_server.manager.supervisors import Supervisors
+from jobs_server.manager.supervisors import SupervisorOccupancy, Supervisors
 from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, RunAs, TenantLimits
 from jobs_server.manager.watcher import JobWatchers
 
@@ -313,6 +313,11 @@ class JobManager:
     def queue_occupancy(self) -> dict[str, tuple[int, int]]:
         """(jobs queued, jobs holding a running slot) by tenant: the metrics' queue gauges."""
         return self._queue.occupancy()
+
+    def supervisor_occupancy(self) -> SupervisorOccupancy:
+        """How many jobs each shared supervisor holds, and how many have one of their own: the
+        metrics' supervisor gauges."""
+        return self._supervisors.occupancy(self._watchers.supervisor_names())
 
     async def stop_job(
         self,

@@ -15,6 +15,8 @@ import asyncio
 import hashlib
 import itertools
 import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,18 @@ _SHARED_NAME_PREFIX = f"{_SHARED_PREFIX}{_code_fingerprint()}:"
 
 def is_dedicated(supervisor_name: str) -> bool:
     return supervisor_name.startswith(_DEDICATED_PREFIX)
+
+
+@dataclass(frozen=True)
+class SupervisorOccupancy:
+    """How many jobs the supervisors hold (handed over, not yet ended): what one supervisor's
+    death would end."""
+
+    shared: dict[str, int]
+    """By shared supervisor's name: this server's own at 0 too, another's (adopted from an older
+    version or another `--jobs-nice`, retired once idle) only while it holds jobs."""
+    own: int
+    """Jobs on a supervisor of their own: one job each, named for the run, so counted together."""
 
 
 class Supervisors:
@@ -177,6 +191,17 @@ class Supervisors:
             for name in live_names
             if name.startswith(_SHARED_PREFIX) and name not in self._shared_names
         )
+
+    def occupancy(self, held_by: Iterable[str]) -> SupervisorOccupancy:
+        """Count `held_by`, the supervisor name of each job held (no I/O)."""
+        shared = dict.fromkeys(self._shared_names, 0)
+        own = 0
+        for name in held_by:
+            if is_dedicated(name):
+                own += 1
+            elif name:
+                shared[name] = shared.get(name, 0) + 1
+        return SupervisorOccupancy(shared=shared, own=own)
 
     def kill(self, name: str) -> None:
         """Kill the supervisor named `name`, if it is still there (blocking)."""

@@ -74,6 +74,8 @@ class JobWatchers:
         # The watcher of each job's current run; an old run's (its id deleted and submitted
         # again) may still be retiring its supervisor, so `close` awaits every task.
         self._current: dict[str, asyncio.Task[None]] = {}
+        # The supervisor of each job's current run: the metrics' jobs per supervisor.
+        self._supervisor_of: dict[str, str] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -84,6 +86,7 @@ class JobWatchers:
         self._on_watch(record)
         task = asyncio.create_task(self._watch(record, launch))
         self._current[record.submission_id] = task
+        self._supervisor_of[record.submission_id] = record.supervisor_name or ""
         self._tasks.add(task)
         task.add_done_callback(lambda _: self._forget(record.submission_id, task))
 
@@ -91,10 +94,15 @@ class JobWatchers:
         self._tasks.discard(task)
         if self._current.get(submission_id) is task:
             del self._current[submission_id]
+            del self._supervisor_of[submission_id]
 
     def watched_ids(self) -> frozenset[str]:
         """The jobs watched now (live: the archive may lag the KV on their status)."""
         return frozenset(self._current)
+
+    def supervisor_names(self) -> list[str]:
+        """The supervisor name of each job watched now (held until its end is archived)."""
+        return list(self._supervisor_of.values())
 
     def has_ended(self, submission_id: str) -> bool | None:
         """Whether the watched job has ended (its end is recorded); None if none watches it."""

@@ -47,8 +47,8 @@ async def healthz(request: web.Request) -> web.Response:
 @routes.get("/metrics", name="metrics")
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus text exposition: jobs by tenant and status and the queue's series (the
-    caller's tenant only, unless an admin calls) and caps; HTTP requests by route (to an admin
-    only: they count every tenant's)."""
+    caller's tenant only, unless an admin calls) and caps; HTTP requests by route and the jobs
+    each supervisor holds (to an admin only: they count every tenant's)."""
     scope = request[PRINCIPAL_KEY].tenant_scope
     # Counted in the archive: a scrape never reads the whole history.
     counts = await request.app[JOB_MANAGER_KEY].count_by_tenant(tenant=scope)
@@ -57,14 +57,17 @@ async def metrics(request: web.Request) -> web.Response:
     for tenant in keys.tenants if scope is None else {scope}:
         counts.setdefault(tenant, {})
     settings = request.app[SETTINGS_KEY]
+    manager = request.app[JOB_MANAGER_KEY]
     queue = QueueState(
-        occupancy=request.app[JOB_MANAGER_KEY].queue_occupancy(),
+        occupancy=manager.queue_occupancy(),
         max_running=settings.max_running_jobs,
         max_queued=settings.max_queued_jobs,
         tenant_limits={tenant: keys.limits_for(tenant) for tenant in counts},
     )
     return web.Response(
-        body=request.app[METRICS_KEY].exposition(counts, queue, server_wide=scope is None),
+        body=request.app[METRICS_KEY].exposition(
+            counts, queue, supervisors=manager.supervisor_occupancy() if scope is None else None
+        ),
         headers={"Content-Type": CONTENT_TYPE_LATEST},
     )
 
