@@ -265,8 +265,11 @@ class JobDetails(BaseModel):
 
     @classmethod
     def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
-        """The job's details; `driver` is the Ray driver its command started, if it did."""
+        """The job's details; `driver` is the Ray driver its command started, if it did (by
+        default the one written with the job's end)."""
         spec = record.spec
+        if driver is None:
+            driver = record.ray_driver
         driver_info = None
         if driver is not None:
             # As Ray's server: the driver's job id, and where the driver runs.

@@ -16,7 +16,7 @@ from jobs_server.manager.containment import Containment
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import JobRun, SupervisedJob
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, RayDriver, new_run_id
 from jobs_server.manager.store import JobStore
 from tests.fork_servers import subreaper_fork_server, wait_until
 
@@ -34,6 +34,9 @@ class Host:
 
     def job_store(self) -> JobStore:
         return self._store
+
+    async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
+        return None  # its commands start no Ray driver
 
     async def prepare_processes(self) -> Containment:
         return Containment.MARKER

@@ -42,7 +42,14 @@ from jobs_server.manager.process import (
     kill_job_processes,
     stop_job_processes,
 )
-from jobs_server.manager.records import JobAttempt, JobErrorType, JobRecord, JobStatus, now_ms
+from jobs_server.manager.records import (
+    JobAttempt,
+    JobErrorType,
+    JobRecord,
+    JobStatus,
+    RayDriver,
+    now_ms,
+)
 from jobs_server.manager.retries import (
     attempts_ran,
     backoff_message,
@@ -64,6 +71,9 @@ class AttemptHost(Protocol):
     def supervisor_token(self) -> str: ...
 
     def job_store(self) -> JobStore: ...
+
+    async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
+        """The last Ray driver the job's command started, as Ray's job table has it now."""
 
     async def prepare_processes(self) -> Containment: ...
 
@@ -403,4 +413,10 @@ class JobAttempts:
                     self._job.submission_id,
                     run.log_path,
                 )
+        if self._attempts:
+            # Ray's job table is the cluster's, and a restarted one has forgotten the driver:
+            # written with the end, it is the job's for as long as the job is kept.
+            driver = await self._host.ray_driver_of(self._job.submission_id)
+            if driver is not None:
+                changes["ray_driver"] = driver
         return await self._update(attempts=tuple(self._attempts), **changes)

@@ -6,6 +6,11 @@ entry in the GCS job table carries that metadata, and Ray's server reports the l
 as the submission's `job_id` and `driver_info`. We do the same, but a list of many jobs must
 stay fast: a job is looked for only while it runs or shortly after it ended, at most once per
 DRIVER_LOOKUP_INTERVAL_S, and what was found is remembered.
+
+The job table is the cluster's: a restarted cluster (an embedded server's Ray, say) has
+forgotten every driver of the jobs before. So a job's supervisor looks its driver up once more
+as the job ends and writes it with the end (`JobRecord.ray_driver`); from then on the record
+answers, in the KV and in the archive, and nobody looks again.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 
+# Re-exported: the driver's finders and their callers name it with them.
+from jobs_server.manager.records import RayDriver as RayDriver
+
 logger = logging.getLogger(__name__)
 
 # Ray's names (ray.dashboard.modules.job.common): tools match on them.
@@ -33,6 +41,8 @@ DRIVER_LOOKUP_INTERVAL_S = 1.0
 # before this server started), is not looked for: old jobs cost a list nothing.
 RECENTLY_ENDED_S = 300.0
 DRIVER_LOOKUP_TIMEOUT_S = 5.0
+# A job's end waits for its supervisor's last look: on a GCS that does not answer, not long.
+END_DRIVER_LOOKUP_TIMEOUT_S = 2.0
 MAX_REMEMBERED_JOBS = 100_000
 
 
@@ -45,15 +55,6 @@ def driver_job_metadata(submission_id: str, metadata: dict[str, str]) -> dict[st
         **metadata,
         JOB_SUBMISSION_ID_METADATA_KEY: submission_id,
     }
-
-
-@dataclass(frozen=True)
-class RayDriver:
-    """A Ray driver: its job id (hex) and where it runs, as in Ray's `DriverInfo`."""
-
-    job_id: str
-    node_ip_address: str
-    pid: int
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ class RayDrivers:
         # A list of 10,000 jobs passes here on every GET: the common cases cost a dict lookup.
         for record in records:
             submission_id = record.spec.submission_id
+            if record.ray_driver is not None:
+                found[submission_id] = record.ray_driver  # written with the job's end
+                continue
             lookup = lookups.get(submission_id)
             if lookup is not None and lookup.start_time != record.start_time:
                 lookup = None
@@ -122,7 +126,16 @@ class RayDrivers:
             del self._lookups[next(iter(self._lookups))]  # the oldest
         self._lookups[key] = _Lookup(record.start_time, driver, looked_at_s, final)
 
-    async def _drivers_of(self, submission_ids: set[str]) -> dict[str, RayDriver]:
+    async def last_driver_of(self, submission_id: str) -> RayDriver | None:
+        """The job's last driver as the job table has it now (a job's end asks once, never
+        remembered here: see the module's docstring); None if it has none, or the GCS did not
+        answer within END_DRIVER_LOOKUP_TIMEOUT_S."""
+        drivers = await self._drivers_of({submission_id}, timeout_s=END_DRIVER_LOOKUP_TIMEOUT_S)
+        return drivers.get(submission_id)
+
+    async def _drivers_of(
+        self, submission_ids: set[str], *, timeout_s: float = DRIVER_LOOKUP_TIMEOUT_S
+    ) -> dict[str, RayDriver]:
         """The last driver (by job id, as Ray's server has it) of each of `submission_ids`."""
         # The GCS filters one submission's drivers itself; for several, one read of the table.
         only = next(iter(submission_ids)) if len(submission_ids) == 1 else None
@@ -131,7 +144,7 @@ class RayDrivers:
                 job_or_submission_id=only,
                 skip_submission_job_info_field=True,
                 skip_is_running_tasks_field=True,
-                timeout=DRIVER_LOOKUP_TIMEOUT_S,
+                timeout=timeout_s,
             )
         except Exception as error:  # the details are still worth answering without it
             logger.warning("could not read Ray's job table: %s", error)

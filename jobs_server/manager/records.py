@@ -120,6 +120,16 @@ class JobAttempt(BaseModel):
     log_offset: int
 
 
+class RayDriver(BaseModel):
+    """A Ray driver: its job id (hex) and where it runs, as in Ray's `DriverInfo`."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job_id: str
+    node_ip_address: str
+    pid: int
+
+
 class JobRecord(BaseModel):
     """A job's spec and its current state; a new record replaces the old on every change."""
 
@@ -135,6 +145,11 @@ class JobRecord(BaseModel):
     driver_pid: int | None = None
     driver_node_id: str | None = None
     driver_node_ip: str | None = None
+    ray_driver: RayDriver | None = None
+    """The (last) Ray driver the job's command started, as Ray's job table had it when the job
+    ended: kept with the run, since the job table is the cluster's and a restarted one has
+    forgotten it. None while the job runs (drivers.py looks it up then), and for a command
+    that started none."""
     supervisor_name: str | None = None
     supervisor_actor_id: str | None = None
     """The incarnation of `supervisor_name` that runs the job (its Ray actor id), written with

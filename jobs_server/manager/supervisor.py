@@ -27,6 +27,7 @@ import ray
 
 from jobs_server.manager.attempts import JobAttempts
 from jobs_server.manager.containment import Containment, detect_containment
+from jobs_server.manager.drivers import RayDrivers
 from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.guardian import start_guardian
 from jobs_server.manager.job_run import (
@@ -38,7 +39,7 @@ from jobs_server.manager.job_run import (
 from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.log_shipping import read_spool_chunk, spool_path
 from jobs_server.manager.process import become_child_subreaper, reap_orphans
-from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.manager.records import JobRecord, JobStatus, RayDriver
 from jobs_server.manager.run_reports import (
     ENDED,
     STARTED,
@@ -75,6 +76,7 @@ class JobSupervisor:
         self._fork_server: ForkServer | None = None
         self._preparing = asyncio.Lock()
         self._store: JobStore | None = None
+        self._drivers: RayDrivers | None = None
         # Commands being started: a child that exits before its run records its pid must not
         # be taken for an orphan and reaped, or asyncio never learns its exit code.
         self._starting = 0
@@ -261,6 +263,11 @@ class JobSupervisor:
                 GcsKv(gcs_address, self._kv_namespace, outage_retry_s=GCS_OUTAGE_RETRY_S)
             )
         return self._store
+
+    async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
+        if self._drivers is None:
+            self._drivers = RayDrivers(ray.get_runtime_context().gcs_address)
+        return await self._drivers.last_driver_of(submission_id)
 
     async def prepare_processes(self) -> Containment:
         """Before the first job: start the guardian, learn what contains a job on this node,
