@@ -193,7 +193,8 @@ class Server:
     def spool_path(self, node: RayNode, job_id: str) -> Path:
         """Where a supervisor on the worker `node` spools the job's log."""
         assert node.temp_dir is not None
-        return node.temp_dir / "jobs_server_spool" / self.namespace / f"job-driver-{job_id}.log"
+        spool_root = node.temp_dir / f"jobs_server_spool-{os.getuid()}"
+        return spool_root / self.namespace / f"job-driver-{job_id}.log"
 
 
 def start_server(
@@ -329,6 +330,40 @@ async def test_job_with_a_worker_resource_runs_there_and_its_log_reaches_the_hea
     assert not server.spool_path(
         cluster.workers[0], job_id
     ).exists()  # pulled to the end, then removed
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's directory needs root")
+async def test_a_worker_spool_squatted_by_another_user_is_never_written_through(
+    http: aiohttp.ClientSession, cluster: MultiNodeCluster, tmp_path: Path
+) -> None:
+    """Issue 32, item 8, end to end: another user of the worker node points the spool's
+    predictable names (this version's and the one before) at a directory of its own. The job's
+    log reaches the head whole; nothing is written in that directory (before: the spool was)."""
+    worker_tmp = cluster.workers[0].temp_dir
+    assert worker_tmp is not None
+    trap = tmp_path / "attacker"
+    trap.mkdir(mode=0o777)
+    os.chown(trap, 65534, 65534)  # nobody's
+    squatted = [worker_tmp / "jobs_server_spool", worker_tmp / f"jobs_server_spool-{os.getuid()}"]
+    set_aside = []
+    for root in squatted:
+        if root.exists():  # an earlier test's spool root: back after this one
+            set_aside.append((root.rename(root.with_name(f"{root.name}-aside")), root))
+        root.symlink_to(trap, target_is_directory=True)
+    try:
+        job_id = await submit(
+            http, entrypoint="echo spooled; echo whole", entrypoint_resources={WORKER_RESOURCE: 1}
+        )
+        job = await wait_for_job(http, job_id)
+        assert job["status"] == "SUCCEEDED", job
+        assert job["driver_info"]["node_ip_address"] == WORKER_IP
+        assert await job_logs(http, job_id) == "spooled\nwhole\n"
+        assert sorted(trap.rglob("*")) == []
+    finally:
+        for root in squatted:
+            root.unlink(missing_ok=True)
+        for aside, root in set_aside:
+            aside.rename(root)
 
 
 async def test_worker_nodes_cannot_import_jobs_server(http: aiohttp.ClientSession) -> None:

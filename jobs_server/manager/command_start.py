@@ -11,7 +11,7 @@ import signal
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol, overload
+from typing import BinaryIO, Protocol, overload
 
 from jobs_server.manager.containment import SHELL, Containment, launch_argv
 from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
@@ -146,7 +146,7 @@ def as_user(entrypoint: str, env: Mapping[str, str], run_as: RunAs) -> tuple[str
 async def _spawn(
     argv: list[str], log_path: Path, env: Mapping[str, str], pass_fds: tuple[int, ...]
 ) -> asyncio.subprocess.Process:
-    with log_path.open("ab") as log_file:
+    with open_log_for_append(log_path) as log_file:
         # The child keeps its own copy of the descriptor; ours closes when this block ends.
         return await asyncio.create_subprocess_exec(
             *argv,
@@ -157,6 +157,13 @@ async def _spawn(
             start_new_session=True,
             pass_fds=pass_fds,
         )
+
+
+def open_log_for_append(log_path: Path) -> BinaryIO:
+    """The log, for the command's output: made 0600 if missing, never through a symlink at its
+    name (a spool is in the node's shared temp dir: log_shipping.py)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+    return os.fdopen(os.open(log_path, flags, 0o600), "ab")
 
 
 async def _wait_for_eof(fd: int) -> None:

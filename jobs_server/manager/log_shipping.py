@@ -6,13 +6,21 @@ the spool from the supervisor in chunks, long-polling, and appends them to the h
 every reader of the log sees one file that grows the same way for local and remote jobs. The
 supervisor writes the job's terminal status only once the server has pulled the whole spool, so a
 reader who sees the job end finds every byte in the head's file.
+
+The spool is in the node's shared temp dir, where every user of the node may create names: it is
+in a directory of this user's alone (`<tmp>/jobs_server_spool-<uid>`, 0700, checked without
+following symlinks), or, if another user holds that name, in a fresh private one; its files are
+0600 and opened with O_NOFOLLOW (command_start.py, zygote.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
+import stat
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -34,9 +42,65 @@ SPOOL_WAIT_S = 5.0
 LOG_DRAIN_TIMEOUT_S = 30.0
 
 
+SPOOL_DIR_PREFIX = "jobs_server_spool-"
+_PRIVATE_DIR_MODE = 0o700
+
+
+class UnsafeDirectoryError(OSError):
+    """A directory name is held by a symlink, a non-directory or another user."""
+
+
 def spool_path(namespace: str, log_name: str) -> Path:
-    """Where a supervisor on a worker node spools a job's log: a local directory of that node."""
-    return Path(tempfile.gettempdir()) / "jobs_server_spool" / namespace / log_name
+    """Where a supervisor on a worker node spools a job's log: a private directory of this
+    user's on that node (made, or checked, each time: a temp cleaner may have removed it)."""
+    try:
+        root = private_directory(Path(tempfile.gettempdir()) / f"{SPOOL_DIR_PREFIX}{os.getuid()}")
+    except UnsafeDirectoryError as error:
+        root = _fallback_spool_root(error)
+    return private_directory(root / namespace) / log_name
+
+
+# Made once per process, where another user squats the spool's name (a supervisor's lifetime).
+_fallback_roots: dict[str, Path] = {}
+
+
+def _fallback_spool_root(error: UnsafeDirectoryError) -> Path:
+    temp_dir = tempfile.gettempdir()
+    root = _fallback_roots.get(temp_dir)
+    if root is not None:
+        try:
+            return private_directory(root)
+        except UnsafeDirectoryError:
+            pass  # removed and squatted meanwhile: another one
+    root = Path(tempfile.mkdtemp(prefix=SPOOL_DIR_PREFIX))  # 0700, a name nobody can guess
+    logger.warning("spooling job logs in %s: %s", root, error)
+    _fallback_roots[temp_dir] = root
+    return root
+
+
+def private_directory(path: Path) -> Path:
+    """`path`, a directory of this user's that nobody else may enter: made 0700 if missing,
+    closed to 0700 if it is ours with a looser mode. Raises UnsafeDirectoryError if the name
+    is a symlink, not a directory, or another user's."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, _PRIVATE_DIR_MODE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (NotADirectoryError, FileNotFoundError) as error:
+        raise UnsafeDirectoryError(f"{path} is not a directory") from error
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise UnsafeDirectoryError(f"{path} is a symlink") from error
+        raise
+    try:
+        info = os.fstat(fd)
+        if info.st_uid != os.getuid():
+            raise UnsafeDirectoryError(f"{path} belongs to uid {info.st_uid}")
+        if stat.S_IMODE(info.st_mode) != _PRIVATE_DIR_MODE:
+            os.fchmod(fd, _PRIVATE_DIR_MODE)  # ours, left open (a umask, an older version)
+    finally:
+        os.close(fd)
+    return path
 
 
 async def read_spool_chunk(
