@@ -62,6 +62,7 @@ from jobs_server.middlewares import (
 )
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.settings import Settings
+from jobs_server.state_dir import prepare_state_dirs
 from jobs_server.upload_budget import UploadBudget
 
 logger = logging.getLogger(__name__)
@@ -189,6 +190,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         event_feed.publish(events)
         app[METRICS_KEY].observe_job_events(events)
 
+    # 0700, before anything is written there: a job must not read the archive or other logs.
+    prepare_state_dirs(settings.state_dir, settings.log_dir)
     archive = Archive(
         archive_path(settings.state_dir), on_events=on_events, parse=caching_record_parser()
     )

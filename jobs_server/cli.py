@@ -154,6 +154,7 @@ def serve(flags: dict[str, Any]) -> None:
     from jobs_server.auth import TokenSourceError, resolve_auth_token
     from jobs_server.manager.tenancy import RunAs
     from jobs_server.request_body import describe_validation_error
+    from jobs_server.state_dir import StateDirError, lock_state_dir
     from jobs_server.tokens import TokensFileError, load_tokens_file
 
     try:
@@ -165,6 +166,12 @@ def serve(flags: dict[str, Any]) -> None:
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # Before Ray or the archive is touched: a second server on the state dir would hand the
+    # same queued jobs over twice. Held until the process ends.
+    try:
+        state_dir_lock = lock_state_dir(settings.state_dir)
+    except StateDirError as error:
+        sys.exit(f"jobs-server: {error}")
     try:
         token = resolve_auth_token(settings)
         users = set()
@@ -195,15 +202,18 @@ def serve(flags: dict[str, Any]) -> None:
     )
     app = create_app(settings)
     app.on_startup.append(_freeze_startup_objects)
-    web.run_app(
-        app,
-        host=settings.host,
-        port=settings.port,
-        ssl_context=ssl_context,
-        print=None,
-        shutdown_timeout=settings.shutdown_timeout_s,
-        access_log_format='%a "%r" %s %b %Tfs',
-    )
+    try:
+        web.run_app(
+            app,
+            host=settings.host,
+            port=settings.port,
+            ssl_context=ssl_context,
+            print=None,
+            shutdown_timeout=settings.shutdown_timeout_s,
+            access_log_format='%a "%r" %s %b %Tfs',
+        )
+    finally:
+        state_dir_lock.release()
 
 
 async def _freeze_startup_objects(_: object) -> None:

@@ -47,7 +47,8 @@ class Settings(BaseSettings):
         DEFAULT_STATE_DIR,
         description=(
             "Directory of the server's state: the job history (jobs.db, SQLite) and, unless"
-            " --log-dir says otherwise, the jobs' logs (<state-dir>/logs)."
+            " --log-dir says otherwise, the jobs' logs (<state-dir>/logs). Made 0700, and locked"
+            " while the server runs: a second server on it exits 1."
         ),
     )
     log_dir: Path = Field(

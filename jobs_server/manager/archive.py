@@ -40,6 +40,7 @@ from jobs_server.manager.records import (
     now_ms,
     parse_record,
 )
+from jobs_server.state_dir import make_private_file
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +143,8 @@ class Archive:
 
     def _open(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # 0600 before SQLite opens it: it makes the -wal and -shm files with the same mode.
+        make_private_file(self.path)
         db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         db.execute("PRAGMA journal_mode=WAL")
         # WAL with NORMAL loses at most the last commits on a power cut, never consistency;

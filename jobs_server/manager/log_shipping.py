@@ -173,8 +173,10 @@ async def pull_log_from_supervisor(supervisor: Any, submission_id: str, log_path
 
 
 def _open_for_append(path: Path) -> BinaryIO:
+    """The head's copy of the log, made 0600 like every log (the log dir is 0700: state_dir.py)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    return path.open("ab")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+    return os.fdopen(os.open(path, flags, 0o600), "ab")
 
 
 def _append(log_file: BinaryIO, data: bytes) -> None:
