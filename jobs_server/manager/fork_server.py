@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import itertools
 import logging
 import os
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +37,12 @@ logger = logging.getLogger(__name__)
 _READ_SIZE = 1 << 16
 # Asyncio's figure for a child whose status someone else collected.
 _UNKNOWN_EXIT_CODE = 255
+# A fork server's ends directory in the temp dir: `<prefix><random>`, made under the staging
+# prefix and renamed once its lock is held.
+ENDS_DIR_PREFIX = "jobs-server-ends-"
+_ENDS_DIR_STAGING_PREFIX = ".jobs-server-ends-new-"
+_RENAME_TRIES = 4
+_DIRECTORY_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ForkServerDiedError(OSError):
@@ -103,6 +112,87 @@ def _command_end(end_path: str, returncode: int) -> tuple[int, bool]:
     return command_returncode, stopped == [b"stopped"]
 
 
+def make_ends_dir() -> tuple[str, int]:
+    """A new ends directory (0700) in the temp dir, and a descriptor of it that holds its lock
+    for as long as it is open, in this process only (close-on-exec: neither the fork server nor
+    a job holds it, so an orphaned job does not keep a dead supervisor's directory "alive": the
+    directory is read by the supervisor alone, and an init finding it gone loses nothing the
+    supervisor could still read). It is locked before it gets a name a sweep looks at."""
+    staging = tempfile.mkdtemp(prefix=_ENDS_DIR_STAGING_PREFIX)
+    lock = os.open(staging, _DIRECTORY_FLAGS)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        for _ in range(_RENAME_TRIES - 1):
+            with contextlib.suppress(OSError):  # the name is taken: another one
+                return _renamed(staging), lock
+        return _renamed(staging), lock
+    except BaseException:
+        os.close(lock)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _renamed(staging: str) -> str:
+    path = os.path.join(os.path.dirname(staging), ENDS_DIR_PREFIX + secrets.token_hex(8))
+    os.rename(staging, path)  # fails onto anything but an empty directory of ours
+    return path
+
+
+def sweep_ends_dirs(parent: str, *, keep: str) -> list[str]:
+    """Remove the ends directories in `parent` whose fork server's supervisor is gone (killed
+    with its guardian: a node's crash): this user's own directories that nobody holds the lock
+    of and no process was started with (a live fork server of a version without the lock names
+    its directory in its arguments). Never a live one's, another user's, or what a symlink
+    points at. Returns the removed."""
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    unheld: dict[str, int] = {}
+    try:
+        for name in names:
+            path = os.path.join(parent, name)
+            if not name.startswith(ENDS_DIR_PREFIX) or path == keep:
+                continue
+            try:
+                lock = os.open(path, _DIRECTORY_FLAGS)
+            except OSError:
+                continue  # gone, a symlink, not a directory
+            try:
+                if os.fstat(lock).st_uid == os.getuid():
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    unheld[path], lock = lock, -1
+            except BlockingIOError:
+                pass  # its supervisor lives
+            finally:
+                if lock >= 0:
+                    os.close(lock)
+        removed = sorted(set(unheld) - _process_arguments(set(unheld)))
+        for path in removed:
+            shutil.rmtree(path, ignore_errors=True)
+        return removed
+    finally:
+        for lock in unheld.values():
+            os.close(lock)
+
+
+def _process_arguments(wanted: set[str]) -> set[str]:
+    """Those of `wanted` that a process of this node has among its arguments."""
+    if not wanted:
+        return set()
+    found: set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                arguments = cmdline.read().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile
+        found.update(wanted.intersection(map(os.fsdecode, arguments)))
+    return found
+
+
 def _reap_later(pid: int) -> None:
     """Reap a launcher nobody awaits when it exits."""
     with contextlib.suppress(OSError):  # gone already
@@ -138,8 +228,15 @@ class ForkServer:
         self._stop_when_forked: dict[int, Containment] = {}
         # Jobs forked as their namespace's init (no launcher), until reported started.
         self._inits: set[int] = set()
-        # Where the inits leave how a command that a signal ended did end (zygote.py).
+        # Where the inits leave how a command that a signal ended did end (zygote.py), and the
+        # descriptor that holds its lock while this fork server may start jobs.
         self._ends_dir: str | None = None
+        self._ends_lock = -1
+
+    @property
+    def ends_dir(self) -> str | None:
+        """Where the inits leave their commands' ends, once started (until closed)."""
+        return self._ends_dir
 
     @property
     def pid(self) -> int | None:
@@ -159,7 +256,11 @@ class ForkServer:
         # Marked as the jobs' processes are: the guardian kills it and its launchers too.
         env[SUPERVISOR_TOKEN_ENV_VAR] = self._supervisor_token
         if self._ends_dir is None:
-            self._ends_dir = tempfile.mkdtemp(prefix="jobs-server-ends-")
+            self._ends_dir, self._ends_lock = make_ends_dir()
+            # What killed supervisors left (their close never ran, nor their guardian): few, as
+            # each fork server's start sweeps; a few ms at the first job of a supervisor.
+            for removed in sweep_ends_dirs(os.path.dirname(self._ends_dir), keep=self._ends_dir):
+                logger.info("removed %s: its supervisor is gone", removed)
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -236,15 +337,17 @@ class ForkServer:
             os.kill(pid, signal.SIGTERM)
 
     def close(self) -> None:
-        """End the fork server and wait for it (the jobs it started run on)."""
+        """End the fork server and wait for it, and remove its ends directory with what is in
+        it (as the supervisor ends). The jobs it started run on; the end of a signal that ends
+        one of them now is read as the exit code 128 + its number (as without the file)."""
         process = self._process
         if process is not None:
             self._died()
             process.wait()
         if self._ends_dir is not None:
-            # Only if empty: an init that ends later leaves its file there, read when it is reaped.
-            with contextlib.suppress(OSError):
-                os.rmdir(self._ends_dir)
+            shutil.rmtree(self._ends_dir, ignore_errors=True)
+            os.close(self._ends_lock)  # after: no sweep meets it half removed
+            self._ends_dir, self._ends_lock = None, -1
 
     def _send(self, data: bytes) -> None:
         self._unsent += data

@@ -5,13 +5,20 @@ supervisor exits for any reason, `kill -9` included, the kernel closes the pipe,
 read returns, and it SIGKILLs every process that carries the supervisor's marker in its
 environment: the jobs' processes, including those that called `setsid` or double-forked.
 
+The supervisor may name directories of its own on the pipe (`remove_when_supervisor_dies`): the
+guardian removes them once the jobs are killed, as nothing of the supervisor would.
+
 The guardian is plain standard-library Python run with `python -c`, so it needs nothing installed.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import subprocess
 import sys
+
+logger = logging.getLogger(__name__)
 
 SUPERVISOR_TOKEN_ENV_VAR = "JOBS_SERVER_SUPERVISOR_TOKEN"
 
@@ -24,7 +31,8 @@ if os.fork() > 0:
     os._exit(0)
 os.setsid()
 marker = sys.argv[1].encode()
-sys.stdin.buffer.read()  # returns when the supervisor's end of the pipe closes
+# Returns when the supervisor's end of the pipe closes: the directories it named meanwhile.
+directories = sys.stdin.buffer.read().splitlines()
 me = os.getpid()
 for _ in range(100):
     killed = 0
@@ -42,6 +50,10 @@ for _ in range(100):
     if not killed:
         break
     time.sleep(0.05)
+if directories:
+    import shutil
+    for directory in directories:
+        shutil.rmtree(os.fsdecode(directory), ignore_errors=True)
 """
 
 
@@ -61,3 +73,15 @@ def start_guardian(supervisor_token: str) -> subprocess.Popen[bytes]:
     )
     launcher.wait()  # the launcher exits at once, leaving the forked guardian behind
     return launcher
+
+
+def remove_when_supervisor_dies(guardian: subprocess.Popen[bytes], directory: str) -> None:
+    """Have the guardian started by `start_guardian` remove `directory` (with what is in it)
+    when this process dies, after its jobs."""
+    assert guardian.stdin is not None
+    try:
+        # A line on a pipe nobody else writes: never blocks, never interleaves.
+        guardian.stdin.write(os.fsencode(directory) + b"\n")
+        guardian.stdin.flush()
+    except OSError as error:  # the guardian is gone: a later start's sweep removes it
+        logger.warning("the guardian cannot remove %s: %s", directory, error)

@@ -29,7 +29,7 @@ from jobs_server.manager.attempts import JobAttempts
 from jobs_server.manager.containment import Containment, detect_containment
 from jobs_server.manager.drivers import RayDrivers
 from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.guardian import start_guardian
+from jobs_server.manager.guardian import remove_when_supervisor_dies, start_guardian
 from jobs_server.manager.job_run import (
     NEVER_STARTED_MESSAGE,
     JobRun,
@@ -275,13 +275,16 @@ class JobSupervisor:
         and start the fork server (on this, the event loop's thread: see `ForkServer.start`)."""
         async with self._preparing:
             if self._containment is None:
-                self._guardian = start_guardian(self._supervisor_token)
+                self._guardian = guardian = start_guardian(self._supervisor_token)
                 self._containment = await asyncio.to_thread(detect_containment)
                 become_child_subreaper()
                 fork_server = ForkServer(self._supervisor_token, nice=self._jobs_nice)
                 try:
                     fork_server.start()
                     self._fork_server = fork_server
+                    # Its close never runs: a supervisor ends killed (`ray.kill`).
+                    assert fork_server.ends_dir is not None
+                    remove_when_supervisor_dies(guardian, fork_server.ends_dir)
                 except OSError as error:
                     logger.warning("no fork server (a launcher is started per job): %s", error)
             return self._containment
