@@ -8,6 +8,7 @@ in a temp dir of the test's own (`tempfile` pointed at it, TMPDIR for the script
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -188,14 +189,14 @@ async def test_a_live_fork_server_of_a_version_without_the_lock_keeps_its_direct
     once that process is gone, the next start removes it."""
     legacy = Path(tempfile.mkdtemp(prefix=ENDS_PREFIX))
     (legacy / "2").write_bytes(b"9")
-    fork_server = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(600)", str(legacy)]
+    fork_server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", "import time; time.sleep(600)", str(legacy)
     )
     try:
         async with subreaper_fork_server():
             assert (legacy / "2").read_bytes() == b"9"
     finally:
         fork_server.kill()
-        fork_server.wait()
+        await fork_server.wait()
     async with subreaper_fork_server() as forks:
         assert ends_dirs(temp_dir) == [Path(forks._ends_dir or "")]
