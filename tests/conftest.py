@@ -38,6 +38,34 @@ for _name in list(os.environ):
     if _name == "RAY_ADDRESS" or _name.startswith("JOBS_SERVER_"):
         del os.environ[_name]
 
+# A test that uses one of these needs real Ray: it is marked `ray` at collection, so a new test
+# is sorted out of the fast loop without anyone having to remember to mark it.
+RAY_FIXTURES = frozenset(
+    {
+        "ray_cluster",
+        "ray_connection",
+        "own_cluster",
+        "ray_tmpdir",
+        "server_url",
+        "settings",
+        "client",
+    }
+)
+# A test that starts its own Ray nodes or a browser is marked in its module; these need Ray too.
+MARKS_THAT_NEED_RAY = ("multinode", "gcs")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        needs_ray = not RAY_FIXTURES.isdisjoint(item.fixturenames) or any(
+            item.get_closest_marker(mark) for mark in MARKS_THAT_NEED_RAY
+        )
+        if needs_ray and item.get_closest_marker("ray") is None:
+            item.add_marker(pytest.mark.ray)
+        if "browser" in item.fixturenames and item.get_closest_marker("browser") is None:
+            item.add_marker(pytest.mark.browser)
+
+
 RAY_NODE_IP = "127.0.0.2"
 TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
 RAY_BIN = Path(sys.executable).parent / "ray"

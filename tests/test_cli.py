@@ -79,6 +79,7 @@ def test_invalid_option_exits_non_zero_saying_why(flags: list[str]) -> None:
     assert flags[0].lstrip("-").replace("-", "_") in result.stderr
 
 
+@pytest.mark.ray
 def test_serve_starts_an_embedded_ray_on_loopback_without_dashboard(tmp_path: Path) -> None:
     """`--ray-address local` (what an unset address falls back to when no cluster runs here)."""
     port = free_port()

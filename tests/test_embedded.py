@@ -26,6 +26,8 @@ from tests.conftest import (
     wait_until,
 )
 
+pytestmark = pytest.mark.ray
+
 # How long a job that some port accepted gets to leave its marker.
 MARKER_WAIT_S = 15
 

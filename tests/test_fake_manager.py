@@ -25,7 +25,7 @@ from tests.conftest import kill_actors_in_namespace
 from tests.fakes import FakeJobManager
 
 
-@pytest.fixture(params=["real", "fake"])
+@pytest.fixture(params=[pytest.param("real", marks=pytest.mark.ray), "fake"])
 async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[JobManagerApi]:
     log_dir = tmp_path / "logs"
     if request.param == "fake":

@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis import checks
+
+pytestmark = pytest.mark.ray
 
 SCHEMA = schemathesis.openapi.from_path(Path(__file__).resolve().parent.parent / "openapi.yaml")
 EXAMPLES_PER_OPERATION = 30

@@ -37,6 +37,8 @@ from tests.conftest import (
     wait_until,
 )
 
+pytestmark = pytest.mark.gcs
+
 REDIS_SERVER = shutil.which("redis-server")
 
 

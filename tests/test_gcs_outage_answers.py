@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.conftest import stop_process_group, wait_until
@@ -22,6 +23,8 @@ from tests.test_gcs_faults import (
     submit,
     wait_status,
 )
+
+pytestmark = pytest.mark.gcs
 
 __all__ = ["redis_address"]  # a fixture of its module, used here
 

@@ -38,6 +38,8 @@ from tests.conftest import (
 from tests.test_logs import parse_sse
 from tests.test_retries import counted
 
+pytestmark = pytest.mark.multinode
+
 # Addresses of their own, so this cluster never meets the session's (127.0.0.2).
 HEAD_IP = "127.0.0.21"
 WORKER_IP = "127.0.0.22"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import requests
 
 from tests.test_restarts import (  # noqa: F401 (ray_tmpdir: a fixture)
@@ -16,6 +17,8 @@ from tests.test_restarts import (  # noqa: F401 (ray_tmpdir: a fixture)
     embedded_server,
     ray_tmpdir,
 )
+
+pytestmark = pytest.mark.ray
 
 
 def test_a_full_queue_survives_kill_9_of_the_server_in_the_same_order(

@@ -30,6 +30,8 @@ from tests.conftest import (
 )
 from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
 
+pytestmark = pytest.mark.ray
+
 JOB_TIMEOUT_S = 120
 
 
