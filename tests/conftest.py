@@ -25,11 +25,11 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.fakes import FakeJobManager
-from tests.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
+from tests.support.fakes import FakeJobManager
+from tests.support.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
 
 if TYPE_CHECKING:  # tenant_server imports this module
-    from tests.tenant_server import TenantServer
+    from tests.support.tenant_server import TenantServer
 
 # Test clusters are not about Ray's own token authentication.
 os.environ["RAY_AUTH_MODE"] = "disabled"
@@ -314,7 +314,7 @@ def fake_settings(tmp_path: Path) -> Settings:
 
 @pytest.fixture
 def fake(fake_settings: Settings) -> FakeJobManager:
-    """An in-memory job manager (tests/fakes.py) for tests that never need a job to run."""
+    """An in-memory job manager (tests/support/fakes.py) for tests that never need a job to run."""
     return FakeJobManager(fake_settings.log_dir, max_package_bytes=fake_settings.max_package_bytes)
 
 

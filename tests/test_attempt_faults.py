@@ -18,7 +18,7 @@ from jobs_server.manager.job_run import JobRun, SupervisedJob
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, RayDriver, new_run_id
 from jobs_server.manager.store import JobStore
-from tests.fork_servers import subreaper_fork_server, wait_until
+from tests.support.fork_servers import subreaper_fork_server, wait_until
 
 
 class Host:

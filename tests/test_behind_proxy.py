@@ -26,7 +26,7 @@ from playwright.async_api import Browser, expect
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import free_port, self_signed_certificate, stop_process_group
-from tests.web_page import UI_TIMEOUT_MS
+from tests.support.web_page import UI_TIMEOUT_MS
 
 STATUS_FIELD = '[data-field="status"]'
 

@@ -1,9 +1,9 @@
 """The terminal client (`jobs-server submit|logs|list|status|stop|delete`) as a user runs it: a
 real `python -m jobs_server` process against a server on a loopback port.
 
-Most tests drive the fake manager's server (tests/fakes.py), so the test decides exactly when a
-job prints and ends; a proxy in the test drops the client's connection mid-event. The last tests
-run real jobs on the real server (`server_url`).
+Most tests drive the fake manager's server (tests/support/fakes.py), so the test decides exactly
+when a job prints and ends; a proxy in the test drops the client's connection mid-event. The last
+tests run real jobs on the real server (`server_url`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from jobs_server.app import create_app
 from jobs_server.client.follow import exit_code_of
 from jobs_server.client.sse import Event, read_events
 from jobs_server.settings import Settings
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 CLIENT = [sys.executable, "-m", "jobs_server"]
 TOKEN = "client-test-token"

@@ -3,7 +3,7 @@
 Raw sockets play the client that goes (closing, or resetting as a killed process does). The
 server runs as `jobs-server serve` runs it (aiohttp's runner without handler cancellation,
 unlike the test client's, which cancels the handler and so hides what a write meets); the HTTP
-layer alone decides this, so the app runs on the in-memory fake manager (tests/fakes.py).
+layer alone decides this, so the app runs on the in-memory fake manager (tests/support/fakes.py).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.app import create_app
 from jobs_server.manager.records import JobSpec
 from jobs_server.settings import Settings
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 Leave = Callable[[asyncio.StreamWriter], Awaitable[None]]

@@ -36,7 +36,7 @@ from tests.conftest import (
     wait_for_server,
     wait_for_status,
 )
-from tests.managers import running_manager
+from tests.support.managers import running_manager
 from tests.test_queue import until_status
 
 Client = TestClient[Any, Any]

@@ -30,8 +30,8 @@ from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
-from tests.fakes import FakeJobManager
-from tests.openapi_contract import Contract
+from tests.support.fakes import FakeJobManager
+from tests.support.openapi_contract import Contract
 
 Client = TestClient[Any, Any]
 

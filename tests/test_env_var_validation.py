@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 

@@ -20,7 +20,7 @@ from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobSpec, new_run_id
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 from tests.test_events import SseReader, wait_subscribed
 
 Client = TestClient[Any, Any]

@@ -22,7 +22,7 @@ from jobs_server.manager import JobManager, JobManagerApi, JobRecord, JobSpec, J
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.event_feed import EventFeed
 from tests.conftest import kill_actors_in_namespace
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 
 @pytest.fixture(params=[pytest.param("real", marks=pytest.mark.ray), "fake"])

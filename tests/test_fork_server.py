@@ -24,7 +24,7 @@ from jobs_server.manager.process import (
     kill_job_processes,
     signal_job_processes,
 )
-from tests.fork_servers import (
+from tests.support.fork_servers import (
     CONTAINMENTS,
     job_env,
     marked_processes,

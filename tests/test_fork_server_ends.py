@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from jobs_server.manager.containment import Containment
-from tests.fork_servers import REPO, is_alive, poll_until, subreaper_fork_server, wait_until
+from tests.support.fork_servers import REPO, is_alive, poll_until, subreaper_fork_server, wait_until
 
 ENDS_PREFIX = "jobs-server-ends-"
 

@@ -20,7 +20,7 @@ from jobs_server.manager.containment import Containment
 from jobs_server.manager.early_stop import EarlyStop
 from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
 from jobs_server.manager.process import kill_job_processes, signal_job_processes
-from tests.fork_servers import (
+from tests.support.fork_servers import (
     CONTAINMENTS,
     REPO,
     is_alive,

@@ -25,7 +25,7 @@ from jobs_server.manager import job_manager as job_manager_module
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.conftest import kill_actors_in_namespace, wait_for_status
-from tests.managers import running_manager
+from tests.support.managers import running_manager
 from tests.test_queue import TERMINAL, until_status
 
 Client = TestClient[Any, Any]

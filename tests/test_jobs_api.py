@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import ray
 from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient
 
@@ -40,7 +41,8 @@ async def test_version_reports_ray_api_version_4(client: Client) -> None:
     assert response.status == 200
     body = await response.json()
     assert body["version"] == "4"
-    assert body["ray_version"] == "2.60.0"
+    # The installed Ray (any release of the range in pyproject.toml; scripts/check-ray-versions).
+    assert body["ray_version"] == ray.__version__
     assert body["session_name"].startswith("session_")
 
 

@@ -13,7 +13,12 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession
 
-from tests.tenant_server import TenantServer, run_tenant_server, submit_as, wait_until_terminal
+from tests.support.tenant_server import (
+    TenantServer,
+    run_tenant_server,
+    submit_as,
+    wait_until_terminal,
+)
 
 JOBS_USER = "jobs-test-user"
 RUN_AS_USER = "jobs-test-run-as"

@@ -25,8 +25,8 @@ from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
 from tests.conftest import wait_for_status
-from tests.fakes import FakeJobManager
-from tests.openapi_contract import (
+from tests.support.fakes import FakeJobManager
+from tests.support.openapi_contract import (
     HTTP_METHODS,
     NO_ROUTE_OPERATION,
     Contract,

@@ -23,7 +23,12 @@ from ray._private.runtime_env.packaging import get_uri_for_directory
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import wait_until
-from tests.tenant_server import TenantServer, run_tenant_server, submit_as, wait_until_terminal
+from tests.support.tenant_server import (
+    TenantServer,
+    run_tenant_server,
+    submit_as,
+    wait_until_terminal,
+)
 
 # A job whose working dir is a package reads this file of it.
 WHO_FILE = "who.txt"

@@ -24,8 +24,8 @@ from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
 from tests.conftest import kill_actors_in_namespace, submit, wait_for_status
-from tests.managers import running_manager
-from tests.openapi_contract import Contract
+from tests.support.managers import running_manager
+from tests.support.openapi_contract import Contract
 from tests.test_openapi_contract import Exchange
 
 Client = TestClient[Any, Any]

@@ -12,7 +12,12 @@ import pytest
 from aiohttp import ClientSession
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.tenant_server import TenantServer, run_tenant_server, submit_as, wait_until_terminal
+from tests.support.tenant_server import (
+    TenantServer,
+    run_tenant_server,
+    submit_as,
+    wait_until_terminal,
+)
 
 LIMITS = "\n[tenants.team-a]\nmax_running = 1\nmax_queued = 5\n"
 SERVER_ARGS = ("--max-running-jobs", "1", "--max-queued-jobs", "2", "--retry-backoff-s", "0")

@@ -28,7 +28,7 @@ from tests.conftest import (
     wait_for_server,
     wait_until,
 )
-from tests.tenant_server import tokens_toml
+from tests.support.tenant_server import tokens_toml
 
 RAY_TOKEN = "ray-cluster-token-" + uuid.uuid4().hex
 EXPLICIT_TOKEN = "explicit-admin-token-" + uuid.uuid4().hex

@@ -22,7 +22,7 @@ from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobErrorType, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
 from tests.conftest import kill_actors_in_namespace
-from tests.managers import running_manager
+from tests.support.managers import running_manager
 
 
 def pending(submission_id: str, entrypoint: str = "echo ran", **spec: Any) -> JobRecord:

@@ -16,7 +16,7 @@ from jobs_server.manager.retries import (
     retry_backoff_s,
 )
 from jobs_server.settings import Settings
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 

@@ -18,7 +18,13 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, WSMsgType
 
-from tests.tenant_server import KEY_SPECS, TenantServer, run_tenant_server, submit_as, tokens_toml
+from tests.support.tenant_server import (
+    KEY_SPECS,
+    TenantServer,
+    run_tenant_server,
+    submit_as,
+    tokens_toml,
+)
 from tests.test_logs import parse_sse
 
 # The key whose reload is tested (K), and a key of the same tenant that stays valid.

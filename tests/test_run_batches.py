@@ -18,7 +18,7 @@ from jobs_server.manager.records import JobSpec, JobStatus
 from jobs_server.manager.run_reports import ENDED, STARTED, RunReports
 from jobs_server.manager.submission_ids import new_submission_id
 from jobs_server.manager.watcher import JobWatchers
-from tests.managers import running_manager
+from tests.support.managers import running_manager
 
 
 async def test_reports_stay_until_a_later_poll_says_it_has_them() -> None:

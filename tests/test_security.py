@@ -1,6 +1,7 @@
 """Secure by default: tokens, safe binding, TLS, cross-site browsers, hostile input, audit.
 
-What the HTTP layer decides alone runs on the in-memory fake manager (tests/fakes.py): no Ray.
+What the HTTP layer decides alone runs on the in-memory fake manager (tests/support/fakes.py):
+no Ray.
 TLS with Ray's own client runs a real server on the session's cluster.
 """
 
@@ -32,7 +33,7 @@ from tests.conftest import (
     submit,
     wait_for_server,
 )
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]

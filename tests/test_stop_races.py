@@ -30,8 +30,8 @@ from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id, now
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.watcher import JobWatchers
 from tests.conftest import kill_actors_in_namespace
-from tests.fork_servers import CONTAINMENTS, subreaper_fork_server, wait_until
-from tests.managers import running_manager
+from tests.support.fork_servers import CONTAINMENTS, subreaper_fork_server, wait_until
+from tests.support.managers import running_manager
 from tests.test_attempt_faults import Host
 
 

@@ -13,7 +13,7 @@ from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.conftest import wait_until
-from tests.tenant_server import TenantServer, run_tenant_server
+from tests.support.tenant_server import TenantServer, run_tenant_server
 from tests.test_ray_clients import RAY_CLI
 
 

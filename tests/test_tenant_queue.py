@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import ClientSession
 
-from tests.tenant_server import KEY_SPECS, TenantServer, run_tenant_server, tokens_toml
+from tests.support.tenant_server import KEY_SPECS, TenantServer, run_tenant_server, tokens_toml
 
 LIMITS = "\n[tenants.team-b]\nmax_running = 1\nmax_queued = 1\n"
 RAISED_LIMITS = "\n[tenants.team-b]\nmax_running = 2\nmax_queued = 1\n"

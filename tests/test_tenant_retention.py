@@ -25,7 +25,7 @@ from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_i
 from jobs_server.manager.retention import Retention, RetentionPolicy
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.tokens import TokensFileError, parse_tokens
-from tests.tenant_server import (
+from tests.support.tenant_server import (
     KEY_SPECS,
     TenantServer,
     run_tenant_server,

@@ -15,7 +15,7 @@ import pytest
 from aiohttp import ClientSession
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.tenant_server import (
+from tests.support.tenant_server import (
     KEY_SPECS,
     TenantServer,
     run_tenant_server,

@@ -25,8 +25,8 @@ from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
 from jobs_server.settings import Settings
 from jobs_server.tokens import TokensFileError, load_tokens_file, parse_tokens
 from tests.conftest import wait_until
-from tests.fakes import FakeJobManager
-from tests.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml
+from tests.support.fakes import FakeJobManager
+from tests.support.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml
 
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
 DIGEST = "sha256:" + "ab" * 32

@@ -2,7 +2,7 @@
 websocket, and which proxies may say what the browser asked for (X-Forwarded-*).
 
 Each test plays the attacker against the HTTP layer alone, on the in-memory fake manager
-(tests/fakes.py): what these middlewares decide needs no Ray.
+(tests/support/fakes.py): what these middlewares decide needs no Ray.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import submit
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]

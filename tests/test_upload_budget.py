@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.keys import UPLOAD_BUDGET_KEY
 from jobs_server.settings import Settings
-from tests.openapi_contract import Contract
+from tests.support.openapi_contract import Contract
 
 Client = TestClient[Any, Any]
 

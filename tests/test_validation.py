@@ -1,5 +1,6 @@
 """What the API refuses before any job runs: bodies, queries, unknown jobs and routes. On an app
-whose manager is the in-memory fake (tests/fakes.py): no Ray, so these tables cost milliseconds."""
+whose manager is the in-memory fake (tests/support/fakes.py): no Ray, so these tables cost
+milliseconds."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from jobs_server import app as app_module
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.conftest import submit
-from tests.fakes import FakeJobManager
+from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]
 

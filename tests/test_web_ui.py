@@ -24,8 +24,8 @@ from jobs_server.errors import ClusterUnavailableError
 from jobs_server.routes.ui import CONTENT_SECURITY_POLICY
 from jobs_server.settings import Settings
 from tests.conftest import submit, wait_for_status
-from tests.fakes import FakeJobManager
-from tests.web_page import UI_TIMEOUT_MS, open_page
+from tests.support.fakes import FakeJobManager
+from tests.support.web_page import UI_TIMEOUT_MS, open_page
 
 # README's screenshot is rewritten only when asked (`JOBS_SERVER_UPDATE_SCREENSHOT=1`): each run's
 # image differs (ids, times), and a test run must not leave the checkout changed.

@@ -1,5 +1,6 @@
 """What the HTTP layer calls, as Protocols: the real manager and package store satisfy them, and
-so do the tests' in-memory fakes (tests/fakes.py), which serve an app that never touches Ray."""
+so do the tests' in-memory fakes (tests/support/fakes.py), which serve an app that never touches
+Ray."""
 
 from __future__ import annotations
 

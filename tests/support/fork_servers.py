@@ -28,7 +28,7 @@ CONTAINMENTS = [
     )
     for containment in Containment
 ]
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 _PR_SET_CHILD_SUBREAPER = 36
 
 

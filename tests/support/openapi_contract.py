@@ -22,7 +22,7 @@ from openapi_schema_validator import OAS31Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
 
-SPEC_PATH = Path(__file__).resolve().parent.parent / "openapi.yaml"
+SPEC_PATH = Path(__file__).resolve().parents[2] / "openapi.yaml"
 HTTP_METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 # What the document answers for a path it does not list.
 NO_ROUTE_OPERATION = "<no route>"
