@@ -31,7 +31,7 @@ from benchmarks.processes import (
     set_up_benchmark_process,
 )
 from benchmarks.stats import percentile
-from tests.conftest import TERMINAL_STATUSES
+from tests.support.api import TERMINAL_STATUSES
 
 logger = logging.getLogger("benchmarks.busy_head")
 

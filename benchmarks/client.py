@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from tests.conftest import TERMINAL_STATUSES
+from tests.support.api import TERMINAL_STATUSES
 
 STARTED_STATUSES = frozenset(TERMINAL_STATUSES | {"RUNNING"})
 REQUEST_TIMEOUT_S = 120.0

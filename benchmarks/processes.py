@@ -2,9 +2,9 @@
 worker nodes joined to it (for the jobs that ask for resources only a worker has).
 
 Each runs in its own process group (session) and is stopped by that group only, in a `finally`.
-Starting, waiting for and stopping them is the tests' plumbing (`tests.conftest`,
-`tests.test_multi_node`); importing it also clears RAY_ADDRESS and JOBS_SERVER_* from this
-process's environment (which its children inherit) and disables Ray's token authentication.
+Starting, waiting for and stopping them is the tests' plumbing (`tests.support`); importing this
+module also clears RAY_ADDRESS and JOBS_SERVER_* from this process's environment (which its
+children inherit) and disables Ray's token authentication.
 """
 
 from __future__ import annotations
@@ -26,17 +26,14 @@ from types import FrameType
 
 import psutil
 
-from tests.conftest import (
-    RAY_NODE_IP,
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import RAY_NODE_IP, isolate_environment
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_multi_node import RayNode, start_ray_node
 
 logger = logging.getLogger(__name__)
+
+isolate_environment()
 
 # The remote scenarios' worker node: an address distinct from the head's and from the tests'.
 WORKER_NODE_IP = "127.0.0.31"

@@ -32,7 +32,7 @@ from benchmarks.log_readers import LogReadError
 from benchmarks.processes import WORKER_NODE_IP, RayHead
 from benchmarks.report import Better, Figure, Metric, Results, Server, Target, Unit
 from benchmarks.stats import machine_pss_bytes, percentile
-from tests.conftest import RAY_NODE_IP
+from tests.support.ray_nodes import RAY_NODE_IP
 
 logger = logging.getLogger(__name__)
 

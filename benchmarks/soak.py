@@ -40,14 +40,10 @@ import ray
 
 from benchmarks.processes import NO_DRAIN, kill_survivors, surviving_processes
 from benchmarks.stats import percentile
-from tests.conftest import (
-    RAY_NODE_IP,
-    TERMINAL_STATUSES,
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-)
+from tests.support.api import TERMINAL_STATUSES
+from tests.support.processes import free_port, stop_process_group
+from tests.support.ray_nodes import RAY_NODE_IP
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_multi_node import start_ray_node
 
 logger = logging.getLogger(__name__)

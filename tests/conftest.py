@@ -2,41 +2,38 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import psutil
 import pytest
 import ray
-import requests
 from aiohttp import ClientSession
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
+from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import (
+    RAY_BIN,
+    RAY_NODE_IP,
+    S3_CREDENTIALS,
+    SUITE_CLUSTER_ADDRESSES,
+    gcs_is_up,
+    isolate_environment,
+    kill_actors_in_namespace,
+)
+from tests.support.servers import start_jobs_server, wait_for_server
+from tests.support.tenant_server import TenantServer
 from tests.support.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
 
-if TYPE_CHECKING:  # tenant_server imports this module
-    from tests.support.tenant_server import TenantServer
-
-# Test clusters are not about Ray's own token authentication.
-os.environ["RAY_AUTH_MODE"] = "disabled"
-# Ray's clients prefer RAY_ADDRESS over the address they are given; tests name addresses.
-for _name in list(os.environ):
-    if _name == "RAY_ADDRESS" or _name.startswith("JOBS_SERVER_"):
-        del os.environ[_name]
+isolate_environment()
 
 # A test that uses one of these needs real Ray: it is marked `ray` at collection, so a new test
 # is sorted out of the fast loop without anyone having to remember to mark it.
@@ -66,74 +63,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.browser)
 
 
-RAY_NODE_IP = "127.0.0.2"
-TERMINAL_STATUSES = {"SUCCEEDED", "FAILED", "STOPPED"}
-RAY_BIN = Path(sys.executable).parent / "ray"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def stop_process_group(process: subprocess.Popen[Any], timeout_s: float = 20) -> None:
-    """SIGTERM the process's group (it was started in its own session), then SIGKILL."""
-    if process.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-
-
-def self_signed_certificate(cert: Path, key: Path, *, name: str) -> None:
-    """A certificate for `name` (`IP:127.0.0.1` or `DNS:localhost`) and its key, for a day."""
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-subj",
-            f"/CN={name.split(':', 1)[1]}",
-            "-addext",
-            f"subjectAltName={name}",
-        ],
-        check=True,
-        capture_output=True,
-    )
-
-
-# Credentials of the S3-compatible test server (moto accepts any).
-S3_CREDENTIALS = {
-    "AWS_ACCESS_KEY_ID": "testing",
-    "AWS_SECRET_ACCESS_KEY": "testing",
-    "AWS_DEFAULT_REGION": "us-east-1",
-}
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A real S3-compatible server (moto) on a loopback port, in a thread of this process."""
@@ -148,8 +77,6 @@ def s3_endpoint() -> Iterator[str]:
         server.stop()
 
 
-# The GCS addresses of the clusters the suite starts (checked against the address file below).
-SUITE_CLUSTER_ADDRESSES: set[str] = set()
 # Where `ray start` and `ray.init` record the last cluster started on this machine; a later
 # `ray.init("auto")` (or a `jobs-server serve` without an address) follows it.
 RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
@@ -258,17 +185,11 @@ def ray_cluster(
     address = f"{RAY_NODE_IP}:{port}"
     SUITE_CLUSTER_ADDRESSES.add(address)
     try:
-        wait_until(lambda: _gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
+        wait_until(lambda: gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
         yield address
     finally:
         stop_process_group(process)
         log.close()
-
-
-def _gcs_is_up(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 @pytest.fixture(scope="session")
@@ -298,8 +219,8 @@ def settings(tmp_path: Path, ray_connection: str) -> Iterator[Settings]:
 
 @pytest.fixture
 async def client(
-    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]], settings: Settings
-) -> AsyncIterator[TestClient[Any, Any]]:
+    aiohttp_client: Callable[..., Awaitable[Client]], settings: Settings
+) -> AsyncIterator[Client]:
     """The app on a loopback port, wired to real Ray."""
     return await aiohttp_client(create_app(settings))
 
@@ -320,10 +241,10 @@ def fake(fake_settings: Settings) -> FakeJobManager:
 
 @pytest.fixture
 async def fake_client(
-    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    aiohttp_client: Callable[..., Awaitable[Client]],
     fake_settings: Settings,
     fake: FakeJobManager,
-) -> TestClient[Any, Any]:
+) -> Client:
     """The app on a loopback port, on `fake`: no Ray is touched."""
     return await aiohttp_client(create_app(fake_settings, backend=fake.backend()))
 
@@ -335,56 +256,6 @@ async def session(server: TenantServer) -> AsyncIterator[ClientSession]:
         base_url=server.url, timeout=aiohttp.ClientTimeout(total=60)
     ) as session:
         yield session
-
-
-def kill_actors_in_namespace(namespace: str) -> None:
-    """Supervisors are detached and outlive their server; a test's die with the test."""
-    if not ray.is_initialized():
-        return
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["namespace"] == namespace:
-            with contextlib.suppress(ValueError):
-                ray.kill(ray.get_actor(actor["name"], namespace=namespace))
-
-
-# A test client of an app, or a session with the base URL of a server process.
-HttpClient = TestClient[Any, Any] | ClientSession
-
-
-async def wait_for_status(
-    client: HttpClient,
-    job_id: str,
-    statuses: set[str] = TERMINAL_STATUSES,
-    timeout_s: float = 60,
-    message_part: str = "",
-    poll_s: float = 0.05,
-) -> dict[str, Any]:
-    """Poll the job until its status is one of `statuses` (and its message holds
-    `message_part`); return its details."""
-    deadline = time.monotonic() + timeout_s
-    job: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        response = await client.get(f"/api/jobs/{job_id}")
-        assert response.status == 200, await response.text()
-        job = await response.json()
-        if job["status"] in statuses and message_part in (job["message"] or ""):
-            return job
-        await asyncio.sleep(poll_s)
-    raise AssertionError(f"job {job_id} still {job.get('status')} after {timeout_s}s: {job}")
-
-
-async def submit(client: HttpClient, **body: Any) -> str:
-    response = await client.post("/api/jobs/", json=body)
-    assert response.status == 200, await response.text()
-    submitted = await response.json()
-    assert submitted["job_id"] == submitted["submission_id"]
-    return str(submitted["submission_id"])
-
-
-async def job_logs(client: HttpClient, job_id: str) -> str:
-    response = await client.get(f"/api/jobs/{job_id}/logs")
-    assert response.status == 200, await response.text()
-    return str((await response.json())["logs"])
 
 
 @pytest.fixture(scope="session")
@@ -418,62 +289,3 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         stop_process_group(process)
         kill_actors_in_namespace(namespace)
-
-
-def start_jobs_server(
-    args: list[str], log_path: Path, env: dict[str, str] | None = None
-) -> subprocess.Popen[bytes]:
-    """`python -m jobs_server serve ARGS` in a session of its own, its output appended to a file.
-    Without a state dir of its own the server gets `<log_path's dir>/state`: a test never
-    touches the user's history (~/.local/state/jobs-server), nor another test's."""
-    if "--state-dir" not in args and "JOBS_SERVER_STATE_DIR" not in (env or os.environ):
-        args = [*args, "--state-dir", str(log_path.parent / "state")]
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "jobs_server", "serve", *args],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def wait_for_server(
-    url: str,
-    process: subprocess.Popen[bytes],
-    log_path: Path,
-    timeout_s: float = 60,
-    verify: str | bool = True,
-) -> None:
-    """Wait until the server answers its probe; fail with its log if it exited instead."""
-    wait_until(
-        lambda: is_healthy(url, verify) or process.poll() is not None, timeout_s, f"server {url}"
-    )
-    assert process.poll() is None, log_path.read_text()
-
-
-def is_healthy(url: str, verify: str | bool = True) -> bool:
-    """Whether the server at `url` answers its probe."""
-    try:
-        return requests.get(f"{url}/api/healthz", timeout=1, verify=verify).status_code == 200
-    except requests.exceptions.RequestException:
-        return False
-
-
-def host_pids(pids: list[int], driver_pid: int) -> list[int]:
-    """The node's pids of processes of a job that wrote their own (`$$`): in the job's PID
-    namespace (where the host allows one), those are the namespace's."""
-    namespace = os.readlink(f"/proc/{driver_pid}/ns/pid_for_children")
-    if namespace == os.readlink("/proc/self/ns/pid"):
-        return pids
-    on_the_node = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{name}/ns/pid") == namespace:
-                with open(f"/proc/{name}/status") as status:
-                    for line in status:
-                        if line.startswith("NSpid:"):
-                            on_the_node[int(line.split()[-1])] = int(name)
-    return [on_the_node[pid] for pid in pids]

@@ -25,7 +25,8 @@ from playwright.async_api import Browser, expect
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import free_port, self_signed_certificate, stop_process_group
+from tests.support.processes import free_port, stop_process_group
+from tests.support.servers import self_signed_certificate
 from tests.support.web_page import UI_TIMEOUT_MS
 
 STATUS_FIELD = '[data-field="status"]'

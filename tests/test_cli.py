@@ -13,13 +13,8 @@ import requests
 
 from jobs_server.cli import build_parser, load_settings
 from jobs_server.settings import Settings
-from tests.conftest import (
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.servers import start_jobs_server, wait_for_server
 
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
 

@@ -26,17 +26,11 @@ from jobs_server.manager.job_manager import JobManager
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
-from tests.conftest import (
-    free_port,
-    job_logs,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    submit,
-    wait_for_server,
-    wait_for_status,
-)
+from tests.support.api import job_logs, submit, wait_for_status
 from tests.support.managers import running_manager
+from tests.support.processes import free_port, stop_process_group
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_queue import until_status
 
 Client = TestClient[Any, Any]

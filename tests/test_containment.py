@@ -23,7 +23,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment, detect_containment, launch_argv
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

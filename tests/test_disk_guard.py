@@ -29,7 +29,7 @@ from jobs_server.disk_guard import (
 from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.openapi_contract import Contract
 

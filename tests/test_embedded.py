@@ -18,13 +18,8 @@ import pytest
 import requests
 from ray.job_submission import JobSubmissionClient
 
-from tests.conftest import (
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.servers import start_jobs_server, wait_for_server
 
 pytestmark = pytest.mark.ray
 

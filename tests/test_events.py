@@ -21,7 +21,7 @@ from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.routes import events as events_route
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager, InMemoryEventLog
 from tests.test_streams import poll_until
 

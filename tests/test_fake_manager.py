@@ -21,8 +21,8 @@ from jobs_server.errors import (
 from jobs_server.manager import JobManager, JobManagerApi, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.archive import Archive, JobQuery, archive_path
 from jobs_server.manager.event_feed import EventFeed
-from tests.conftest import kill_actors_in_namespace
 from tests.support.fakes import FakeJobManager
+from tests.support.ray_nodes import kill_actors_in_namespace
 
 
 @pytest.fixture(params=[pytest.param("real", marks=pytest.mark.ray), "fake"])

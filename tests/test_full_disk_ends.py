@@ -21,7 +21,7 @@ from jobs_server.manager import JobManager, JobRecord
 from jobs_server.manager.archive import archive_path
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.openapi_contract import Contract
 from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
 

@@ -27,15 +27,9 @@ import pytest
 import requests
 
 from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE, CLUSTER_LOST_EXIT_S
-from tests.conftest import (
-    RAY_BIN,
-    SUITE_CLUSTER_ADDRESSES,
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import RAY_BIN, SUITE_CLUSTER_ADDRESSES
+from tests.support.servers import start_jobs_server, wait_for_server
 
 pytestmark = pytest.mark.gcs
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.conftest import stop_process_group, wait_until
+from tests.support.processes import stop_process_group, wait_until
 from tests.test_gcs_faults import (
     assert_unavailable,
     head_node,

@@ -24,8 +24,9 @@ from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager import job_manager as job_manager_module
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
-from tests.conftest import kill_actors_in_namespace, wait_for_status
+from tests.support.api import wait_for_status
 from tests.support.managers import running_manager
+from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.test_queue import TERMINAL, until_status
 
 Client = TestClient[Any, Any]

@@ -18,7 +18,7 @@ from ray._private.ray_constants import RAY_WORKER_NICENESS
 from jobs_server.app import create_app
 from jobs_server.manager.containment import Containment
 from jobs_server.settings import DEFAULT_JOBS_NICE, Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 from tests.support.fork_servers import CONTAINMENTS, job_env, subreaper_fork_server
 
 # What a job says of its priority: its nice value, then its scheduling group's line (empty

@@ -13,7 +13,7 @@ from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient
 
 from jobs_server.settings import Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

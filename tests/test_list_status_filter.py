@@ -17,7 +17,7 @@ from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.records import JobRecord, JobStatus
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

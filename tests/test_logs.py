@@ -15,7 +15,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import complete_utf8_length, read_log_chunks
 from jobs_server.settings import Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

@@ -7,7 +7,7 @@ from typing import Any
 from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

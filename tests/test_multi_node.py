@@ -22,19 +22,10 @@ import aiohttp
 import psutil
 import pytest
 
-from tests.conftest import (
-    RAY_BIN,
-    TERMINAL_STATUSES,
-    free_port,
-    host_pids,
-    job_logs,
-    start_jobs_server,
-    stop_process_group,
-    submit,
-    wait_for_server,
-    wait_for_status,
-    wait_until,
-)
+from tests.support.api import TERMINAL_STATUSES, job_logs, submit, wait_for_status
+from tests.support.processes import free_port, host_pids, stop_process_group, wait_until
+from tests.support.ray_nodes import RAY_BIN
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_logs import parse_sse
 from tests.test_retries import counted
 

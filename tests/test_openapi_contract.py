@@ -24,7 +24,7 @@ from jobs_server import api_models
 from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
-from tests.conftest import wait_for_status
+from tests.support.api import wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.openapi_contract import (
     HTTP_METHODS,

@@ -22,7 +22,7 @@ from aiohttp import ClientSession
 from ray._private.runtime_env.packaging import get_uri_for_directory
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 from tests.support.tenant_server import (
     TenantServer,
     run_tenant_server,

@@ -6,7 +6,7 @@ from typing import Any
 
 from aiohttp.test_utils import TestClient
 
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

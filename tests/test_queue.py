@@ -23,9 +23,10 @@ from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
-from tests.conftest import kill_actors_in_namespace, submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.managers import running_manager
 from tests.support.openapi_contract import Contract
+from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.test_openapi_contract import Exchange
 
 Client = TestClient[Any, Any]

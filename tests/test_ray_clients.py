@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 

@@ -29,14 +29,9 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from jobs_server.manager.drivers import RayDrivers
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
-from tests.conftest import (
-    RAY_BIN,
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import RAY_BIN
+from tests.support.servers import start_jobs_server, wait_for_server
 
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 SETUP_FAILED = "runtime_env setup failed: Failed to set up runtime environment"

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from jobs_server.manager import ray_metrics
 from jobs_server.manager.ray_metrics import RAY_METRICS_ENV_VAR
 from jobs_server.settings import Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

@@ -20,14 +20,9 @@ import pytest
 import requests
 
 from jobs_server.key_digest import new_api_key
-from tests.conftest import (
-    free_port,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.support.tenant_server import tokens_toml
 
 RAY_TOKEN = "ray-cluster-token-" + uuid.uuid4().hex

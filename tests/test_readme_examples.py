@@ -25,13 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import (
-    free_port,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-)
+from tests.support.processes import free_port, stop_process_group
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"

@@ -21,8 +21,8 @@ from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobErrorType, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
-from tests.conftest import kill_actors_in_namespace
 from tests.support.managers import running_manager
+from tests.support.ray_nodes import kill_actors_in_namespace
 
 
 def pending(submission_id: str, entrypoint: str = "echo ran", **spec: Any) -> JobRecord:

@@ -19,15 +19,9 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import (
-    RAY_BIN,
-    RAY_NODE_IP,
-    free_port,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import RAY_BIN, RAY_NODE_IP
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
 
 pytestmark = pytest.mark.ray

@@ -21,7 +21,7 @@ from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.retention import RETENTION_BATCH_JOBS, Retention, RetentionPolicy
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

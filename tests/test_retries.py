@@ -18,7 +18,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.test_stopping import wait_for_log
 
 Client = TestClient[Any, Any]

@@ -27,14 +27,9 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from jobs_server.app import create_app
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.settings import Settings
-from tests.conftest import (
-    S3_CREDENTIALS,
-    free_port,
-    job_logs,
-    submit,
-    wait_for_status,
-    wait_until,
-)
+from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.processes import free_port, wait_until
+from tests.support.ray_nodes import S3_CREDENTIALS
 
 Client = TestClient[Any, Any]
 RAY_CLI = str(Path(sys.executable).parent / "ray")

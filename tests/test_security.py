@@ -25,15 +25,10 @@ from pydantic import SecretStr
 from jobs_server.app import create_app
 from jobs_server.cli import _check_bind
 from jobs_server.settings import Settings
-from tests.conftest import (
-    free_port,
-    self_signed_certificate,
-    start_jobs_server,
-    stop_process_group,
-    submit,
-    wait_for_server,
-)
+from tests.support.api import submit
 from tests.support.fakes import FakeJobManager
+from tests.support.processes import free_port, stop_process_group
+from tests.support.servers import self_signed_certificate, start_jobs_server, wait_for_server
 
 Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
@@ -229,7 +224,7 @@ def test_tls_and_a_token_with_rays_own_client(
         assert "403" in refused.stderr or "Authentication failed" in refused.stderr
     finally:
         stop_process_group(server)
-    from tests.conftest import kill_actors_in_namespace
+    from tests.support.ray_nodes import kill_actors_in_namespace
 
     kill_actors_in_namespace("tls_test")
 

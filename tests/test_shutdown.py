@@ -17,16 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.conftest import (
-    free_port,
-    job_logs,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    submit,
-    wait_for_server,
-    wait_for_status,
-)
+from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.processes import free_port, stop_process_group
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_multi_node import start_ray_node
 
 SHUTDOWN_TIMEOUT_S = 5.0

@@ -11,7 +11,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.conftest import submit, wait_for_server, wait_for_status
+from tests.support.api import submit, wait_for_status
+from tests.support.servers import wait_for_server
 from tests.test_shutdown import EXIT_MARGIN_S, Server
 
 SHUTDOWN_TIMEOUT_S = 5.0

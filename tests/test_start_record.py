@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.manager import launcher
 from jobs_server.settings import Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"

@@ -27,15 +27,10 @@ import pytest
 import requests
 
 from jobs_server.manager.log_shipping import pull_spooled_log
-from tests.conftest import (
-    TERMINAL_STATUSES,
-    free_port,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-    wait_until,
-)
+from tests.support.api import TERMINAL_STATUSES
+from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 
 # A second server must give up this soon (it starts no Ray before it does).
 SECOND_SERVER_EXIT_S = 10

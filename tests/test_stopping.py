@@ -28,7 +28,7 @@ from jobs_server.manager.process import (
     start_entrypoint,
 )
 from jobs_server.settings import Settings
-from tests.conftest import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_status
 
 Client = TestClient[Any, Any]
 

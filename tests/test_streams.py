@@ -21,7 +21,7 @@ from pydantic import SecretStr
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.test_logs import parse_sse
 
 Client = TestClient[Any, Any]

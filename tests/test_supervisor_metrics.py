@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 
 Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"

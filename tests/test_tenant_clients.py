@@ -12,7 +12,7 @@ import pytest
 from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from tests.conftest import wait_until
+from tests.support.processes import wait_until
 from tests.support.tenant_server import TenantServer, run_tenant_server
 from tests.test_ray_clients import RAY_CLI
 

@@ -24,8 +24,8 @@ from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
 from jobs_server.settings import Settings
 from jobs_server.tokens import TokensFileError, load_tokens_file, parse_tokens
-from tests.conftest import wait_until
 from tests.support.fakes import FakeJobManager
+from tests.support.processes import wait_until
 from tests.support.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml
 
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import submit
+from tests.support.api import submit
 from tests.support.fakes import FakeJobManager
 
 Client = TestClient[Any, Any]

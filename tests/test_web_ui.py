@@ -23,7 +23,7 @@ from jobs_server.app import create_app
 from jobs_server.errors import ClusterUnavailableError
 from jobs_server.routes.ui import CONTENT_SECURITY_POLICY
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.web_page import UI_TIMEOUT_MS, open_page
 

@@ -15,7 +15,7 @@ from playwright.async_api import Browser, expect
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.conftest import submit, wait_for_status
+from tests.support.api import submit, wait_for_status
 from tests.support.web_page import open_page
 
 

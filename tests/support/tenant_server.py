@@ -15,14 +15,10 @@ from typing import Any
 from aiohttp import ClientSession
 
 from jobs_server.key_digest import digest_of, new_api_key
-from tests.conftest import (
-    TERMINAL_STATUSES,
-    free_port,
-    kill_actors_in_namespace,
-    start_jobs_server,
-    stop_process_group,
-    wait_for_server,
-)
+from tests.support.api import TERMINAL_STATUSES
+from tests.support.processes import free_port, stop_process_group
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
 
 # Key name -> (tenant, role). `ops-admin` is an admin of a tenant of its own.
 KEY_SPECS: dict[str, tuple[str, str]] = {
