@@ -1,10 +1,12 @@
-"""The README's shell examples run top to bottom, as a newcomer would paste them.
+"""The shell examples of README.md and docs/*.md run top to bottom, as a newcomer pastes them.
 
-Every ```sh block runs, in the README's order, against a real server on a free loopback port
-(real Ray), from a directory where `.venv/bin` is this test's virtualenv, as after the README's
-install command. The only change to the text: the server's default URL,
-`http://127.0.0.1:8266`, becomes the test server's (and `JOBS_SERVER_URL` says the same, for
-the terminal client). A block is left out only when the line before its fence says so:
+Every ```sh block of a document runs, in the document's order, against a real server of that
+document's own on a free loopback port (real Ray), from a directory where `.venv/bin` is this
+test's virtualenv, as after the README's install command; so each document's examples stand on
+their own (an example may use what an earlier one of the same document made). The only change
+to the text: the server's default URL, `http://127.0.0.1:8266`, becomes the test server's (and
+`JOBS_SERVER_URL` says the same, for the terminal client). A block is left out only when the
+line before its fence says so:
 
     <!-- readme-test: skip, REASON -->
 
@@ -31,6 +33,8 @@ from tests.support.servers import start_jobs_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+# Every document whose shell examples run: the README, then the docs.
+DOCUMENTS = [README, *sorted((ROOT / "docs").glob("*.md"))]
 DEFAULT_URL = "http://127.0.0.1:8266"
 SKIP_MARKER = re.compile(r"^<!-- readme-test: skip, (?P<reason>.+) -->$")
 BLOCK_TIMEOUT_S = 300
@@ -79,7 +83,8 @@ def test_shell_blocks_are_found_with_their_markers() -> None:
 
 @pytest.fixture
 def readme_server(ray_connection: str, tmp_path: Path) -> Iterator[str]:
-    """A server of the README's own (its namespace), so its `demo-*` ids meet no other test's."""
+    """A server of the document's own (its namespace and state dir: the session's default state
+    dir is shared), so its `demo-*` ids meet no other test's nor another document's."""
     port, namespace = free_port(), f"test_readme_{uuid.uuid4().hex[:8]}"
     log_path = tmp_path / "server.log"
     process = start_jobs_server(
@@ -88,6 +93,8 @@ def readme_server(ray_connection: str, tmp_path: Path) -> Iterator[str]:
             str(port),
             "--ray-address",
             ray_connection,
+            "--state-dir",
+            str(tmp_path / "state"),
             "--log-dir",
             str(tmp_path / "logs"),
             "--namespace",
@@ -104,12 +111,35 @@ def readme_server(ray_connection: str, tmp_path: Path) -> Iterator[str]:
         kill_actors_in_namespace(namespace)
 
 
-def test_readme_shell_examples_run_in_order(readme_server: str, tmp_path: Path) -> None:
-    blocks = shell_blocks(README.read_text())
-    runnable = [block for block in blocks if block.skip_reason is None]
-    # The README's Use it, Logs and terminal client blocks at least.
-    assert len(runnable) >= 3
-    assert all(DEFAULT_URL in block.code for block in runnable)
+def test_the_readme_and_every_doc_have_their_examples_checked() -> None:
+    runnable = {
+        path.relative_to(ROOT).as_posix(): sum(
+            block.skip_reason is None for block in shell_blocks(path.read_text())
+        )
+        for path in DOCUMENTS
+    }
+    # The README's tour (Use it, the terminal client) and the guide's jobs, logs and retries.
+    assert runnable["README.md"] >= 2
+    assert runnable["docs/guide.md"] >= 3
+    assert runnable["docs/operations.md"] >= 1
+
+
+def with_examples(paths: list[Path]) -> list[Path]:
+    """The documents with at least one block to run (architecture.md has none)."""
+    return [
+        path
+        for path in paths
+        if any(block.skip_reason is None for block in shell_blocks(path.read_text()))
+    ]
+
+
+@pytest.mark.parametrize(
+    "document", with_examples(DOCUMENTS), ids=lambda path: path.relative_to(ROOT).as_posix()
+)
+def test_shell_examples_run_in_order(document: Path, readme_server: str, tmp_path: Path) -> None:
+    runnable = [block for block in shell_blocks(document.read_text()) if block.skip_reason is None]
+    name = document.relative_to(ROOT).as_posix()
+    assert all(DEFAULT_URL in block.code for block in runnable), name
     workdir = tmp_path / "newcomer"
     (workdir / ".venv").mkdir(parents=True)
     (workdir / ".venv" / "bin").symlink_to(Path(sys.executable).parent)
@@ -135,11 +165,11 @@ def test_readme_shell_examples_run_in_order(readme_server: str, tmp_path: Path) 
             )
         except subprocess.TimeoutExpired:
             pytest.fail(
-                f"README.md line {block.line} still ran after {BLOCK_TIMEOUT_S} s: an example"
+                f"{name} line {block.line} still ran after {BLOCK_TIMEOUT_S} s: an example"
                 " must end by itself (`curl --max-time`), or be marked"
                 " `<!-- readme-test: skip, REASON -->` if it starts a server"
             )
         output = result.stdout + result.stderr
-        where = f"README.md line {block.line}:\n{code}\n--- output ---\n{output}"
+        where = f"{name} line {block.line}:\n{code}\n--- output ---\n{output}"
         assert result.returncode == 0, where
         assert not ERROR_ANSWER.search(output), where
