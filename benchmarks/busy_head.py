@@ -7,8 +7,8 @@ On each server in turn: `--busy-jobs` jobs that each keep a core busy, 5 s for t
 then `GET /api/jobs/{id}` one request after another, then POSTs of `true` one after another
 (latency: sending to the whole answer). The busy jobs are stopped before the next server. Where
 the kernel has autogroups, a job in a session of its own is a scheduling group of its own
-(README: CPU priority on a busy head node). Prints a markdown table with the ratios ours/Ray's
-(progress on stderr) and writes it to benchmarks/results-busy-head.md.
+(docs/operations.md: CPU priority on a busy head node). Prints a markdown table with the ratios
+ours/Ray's (progress on stderr) and writes it to benchmarks/results-busy-head.md.
 """
 
 from __future__ import annotations

@@ -392,7 +392,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         results.note(None, f"process {pid} outlived its process group (killed): {cmdline}")
     metrics = [m for s in scenarios for m in s.metrics()]
     report = render(metrics, results, sizes, started, args.only)
-    # A partial run does not replace the full run's table (which README.md quotes).
+    # A partial run does not replace the full run's table (which docs/performance.md quotes).
     results_path = RESULTS_PATH.with_name(f"results-{args.only}.md") if args.only else RESULTS_PATH
     results_path.write_text(report)
     sys.stdout.write(report)

@@ -20,7 +20,8 @@ RETENTION_MAX_AGE_S = 30 * 24 * 3600
 DEFAULT_MAX_QUEUED_JOBS = 10_000
 # The jobs' nice value (zygote.py's `lower_priority`). Under load the server and Ray's processes,
 # the control plane, get about three times the jobs' share of the CPU (weights 1024 against
-# 335): in the queue's burst, POST p50 35-39 ms against 49-62 ms (README: CPU priority).
+# 335): in the queue's burst, POST p50 35-39 ms against 49-62 ms (docs/operations.md: CPU
+# priority).
 DEFAULT_JOBS_NICE = 5
 # Uploads of the largest package size that may be in memory at once, by default.
 UPLOADS_IN_FLIGHT_PER_PACKAGE = 4

@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, checked on the source."""
+"""The layering rules of docs/architecture.md (The shape), checked on the source."""
 
 from __future__ import annotations
 
