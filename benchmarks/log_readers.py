@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from benchmarks.client import JobsApi
-from tests.test_logs import parse_sse
+from jobs_server.client.sse import read_events
 
 # A server sends a log in frames of at most tens of KiB; no frame limit on our side.
 NO_FRAME_LIMIT = 0
@@ -126,9 +126,11 @@ async def read_whole_tail(api: JobsApi, submission_id: str, *, timeout_s: float)
 
 
 async def read_sse_log(api: JobsApi, submission_id: str, *, timeout_s: float) -> StreamRead:
-    """Our Server-Sent Events stream until its `end` event; counts the bytes of log text."""
+    """Our Server-Sent Events stream until its `end` event; counts the bytes of log text (each
+    event's data is a JSON string of log text), with the terminal client's parser."""
     started_s = time.monotonic()
-    events = SseLogParser()
+    log_bytes = 0
+    ended = False
     path = logs_path(submission_id, "/stream")
     async with api.session.get(
         api.url(path), timeout=aiohttp.ClientTimeout(total=timeout_s)
@@ -136,34 +138,20 @@ async def read_sse_log(api: JobsApi, submission_id: str, *, timeout_s: float) ->
         if response.status >= 400:
             text = await response.text()
             raise LogReadError(f"GET {path} -> {response.status}: {text[:300]!r}")
-        for _ in range(MAX_BODY_CHUNKS):
-            chunk = await response.content.readany()
-            if not chunk or events.feed(chunk):
+        async for event in read_events(_body_chunks(response)):
+            if event.event == "end":
+                ended = True
                 break
-    if not events.ended:
+            log_bytes += len(json.loads(event.data).encode())
+    if not ended:
         raise LogReadError(f"SSE stream of {submission_id} closed without an `end` event")
-    return StreamRead(events.log_bytes, time.monotonic() - started_s)
+    return StreamRead(log_bytes, time.monotonic() - started_s)
 
 
-class SseLogParser:
-    """Parses our log events (data: a JSON string of log text; a final `event: end`) as they
-    come, with the tests' parser of whole events."""
-
-    def __init__(self) -> None:
-        self._pending = b""
-        self.log_bytes = 0
-        self.ended = False
-
-    def feed(self, chunk: bytes) -> bool:
-        """Take the next bytes of the stream; True once the `end` event arrived."""
-        # Only whole events: a chunk may end inside one (or between a line's CR and LF).
-        text = (self._pending + chunk).replace(b"\r\n", b"\n")
-        cut = text.rfind(b"\n\n") + 2 if b"\n\n" in text else 0
-        self._pending = text[cut:]
-        for event in parse_sse(text[:cut].decode()):
-            if event.get("event") == "end":
-                self.ended = True
-                return True
-            if "data" in event:
-                self.log_bytes += len(json.loads(event["data"]).encode())
-        return False
+async def _body_chunks(response: aiohttp.ClientResponse) -> AsyncGenerator[bytes, None]:
+    """The chunks of a body as they come, at most `MAX_BODY_CHUNKS`."""
+    for _ in range(MAX_BODY_CHUNKS):
+        chunk = await response.content.readany()
+        if not chunk:
+            return
+        yield chunk

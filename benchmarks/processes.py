@@ -27,9 +27,8 @@ from types import FrameType
 import psutil
 
 from tests.support.processes import free_port, stop_process_group, wait_until
-from tests.support.ray_nodes import RAY_NODE_IP, isolate_environment
+from tests.support.ray_nodes import RAY_NODE_IP, RayNode, isolate_environment, start_ray_node
 from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_multi_node import RayNode, start_ray_node
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from benchmarks.scenarios import (
     poll_until,
     stop_and_wait,
 )
-from tests.test_multi_node import RayNode
+from tests.support.ray_nodes import RayNode
 
 logger = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ from benchmarks.scenarios import (
     Scenario,
     SequentialSubmit,
 )
-from tests.test_multi_node import RayNode
+from tests.support.ray_nodes import RayNode
 
 logger = logging.getLogger("benchmarks")
 

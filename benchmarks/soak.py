@@ -42,9 +42,8 @@ from benchmarks.processes import NO_DRAIN, kill_survivors, surviving_processes
 from benchmarks.stats import percentile
 from tests.support.api import TERMINAL_STATUSES
 from tests.support.processes import free_port, stop_process_group
-from tests.support.ray_nodes import RAY_NODE_IP
+from tests.support.ray_nodes import RAY_NODE_IP, start_ray_node
 from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_multi_node import start_ray_node
 
 logger = logging.getLogger(__name__)
 

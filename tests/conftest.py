@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
@@ -18,7 +20,9 @@ from aiohttp import ClientSession
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
 from tests.support.api import Client
+from tests.support.disks import SMALL_DISK_BYTES
 from tests.support.fakes import FakeJobManager
+from tests.support.gcs import REDIS_SERVER, port_open
 from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import (
     RAY_BIN,
@@ -289,3 +293,48 @@ def server_url(ray_connection: str, tmp_path_factory: pytest.TempPathFactory) ->
     finally:
         stop_process_group(process)
         kill_actors_in_namespace(namespace)
+
+
+@pytest.fixture
+def ray_tmpdir() -> Iterator[Path]:
+    """A short temp dir of its own for the Ray instances one test starts (Ray's socket paths)."""
+    path = Path(tempfile.mkdtemp(prefix="rrs", dir="/tmp"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB tmpfs of its own (the tests run as root, here and in CI)."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
+        check=True,
+    )
+    try:
+        yield mount_point
+    finally:
+        # Lazy: a supervisor may still hold a log file open; the memory goes when it lets go.
+        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
+
+
+@pytest.fixture(scope="module")
+def redis_address() -> Iterator[str]:
+    """A Redis server on a loopback port (no persistence), in its own process group."""
+    if REDIS_SERVER is None:
+        pytest.fail("redis-server is not installed: run scripts/install-system-packages")
+    port = free_port()
+    process = subprocess.Popen(
+        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_until(lambda: port_open("127.0.0.1", port), 30, "redis-server")
+        yield f"127.0.0.1:{port}"
+    finally:
+        stop_process_group(process)

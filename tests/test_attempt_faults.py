@@ -12,52 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from jobs_server.manager.attempts import STOPPED_MESSAGE, JobAttempts
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.fork_server import ForkServer
 from jobs_server.manager.job_run import JobRun, SupervisedJob
 from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, RayDriver, new_run_id
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 from jobs_server.manager.store import JobStore
-from tests.support.fork_servers import subreaper_fork_server, wait_until
-
-
-class Host:
-    """The supervisor's side that an attempt needs (AttemptHost), around a real fork server."""
-
-    def __init__(self, store: JobStore, forks: ForkServer) -> None:
-        self._store = store
-        self._forks = forks
-
-    @property
-    def supervisor_token(self) -> str:
-        return "attempt-faults"
-
-    def job_store(self) -> JobStore:
-        return self._store
-
-    async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
-        return None  # its commands start no Ray driver
-
-    async def prepare_processes(self) -> Containment:
-        return Containment.MARKER
-
-    def fork_server(self) -> ForkServer | None:
-        return self._forks
-
-    def spool(self, run: JobRun) -> None: ...
-
-    def unspool(self, run: JobRun) -> None: ...
-
-    def is_spooled(self, run: JobRun) -> bool:
-        return False
-
-    def command_starting(self) -> contextlib.AbstractContextManager[None]:
-        return contextlib.nullcontext()
-
-    def other_roots(self, run: JobRun) -> frozenset[int]:
-        return frozenset()
-
-    def reap_orphans(self) -> None: ...
+from tests.support.fork_servers import Host, subreaper_fork_server, wait_until
 
 
 @contextlib.contextmanager

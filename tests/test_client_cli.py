@@ -27,55 +27,13 @@ from pydantic import SecretStr
 
 from jobs_server.app import create_app
 from jobs_server.client.follow import exit_code_of
-from jobs_server.client.sse import Event, read_events
+from jobs_server.client.sse import Event, parse_events, read_events
 from jobs_server.settings import Settings
+from tests.support.cli import CLIENT, run_cli, start_cli
 from tests.support.fakes import FakeJobManager
 
-CLIENT = [sys.executable, "-m", "jobs_server"]
 TOKEN = "client-test-token"
 AiohttpServer = Callable[..., Awaitable[TestServer]]
-
-
-class Cli:
-    """One `jobs-server ...` process: its output read as it comes."""
-
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-        self.stdout = b""
-
-    async def read_until(self, expected: bytes, timeout_s: float = 30) -> None:
-        """Read stdout until it holds `expected` (fails with what it holds after `timeout_s`)."""
-        assert self.process.stdout is not None
-        try:
-            async with asyncio.timeout(timeout_s):
-                while expected not in self.stdout:
-                    chunk = await self.process.stdout.read(65536)
-                    assert chunk, f"stdout ended before {expected!r}: {self.stdout!r}"
-                    self.stdout += chunk
-        except TimeoutError:
-            raise AssertionError(f"no {expected!r} on stdout: {self.stdout!r}") from None
-
-    async def finish(self, timeout_s: float = 60) -> tuple[int, bytes, str]:
-        """Its exit code, all of stdout and stderr."""
-        stdout, stderr = await asyncio.wait_for(self.process.communicate(), timeout_s)
-        assert self.process.returncode is not None
-        return self.process.returncode, self.stdout + (stdout or b""), (stderr or b"").decode()
-
-
-async def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> Cli:
-    environment = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
-    environment.pop("JOBS_SERVER_URL", None)
-    environment.pop("JOBS_SERVER_AUTH_TOKEN", None)
-    environment.update(env or {})
-    kwargs.setdefault("stdin", asyncio.subprocess.DEVNULL)
-    kwargs.setdefault("stdout", asyncio.subprocess.PIPE)
-    kwargs.setdefault("stderr", asyncio.subprocess.PIPE)
-    process = await asyncio.create_subprocess_exec(*CLIENT, *args, env=environment, **kwargs)
-    return Cli(process)
-
-
-async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, bytes, str]:
-    return await (await start_cli(*args, env=env)).finish()
 
 
 class DroppingProxy:
@@ -450,6 +408,9 @@ async def test_sse_events_are_whole_however_the_bytes_are_split() -> None:
     for at in range(len(stream) + 1):
         for again in range(at, len(stream) + 1, 7):
             assert [event async for event in read_events(split(at, again))] == expected
+    # The same parser on a text read so far (what the tests and benchmarks read whole).
+    assert parse_events(stream.decode()) == expected
+    assert parse_events(stream[: stream.index(b"event: end")].decode()) == expected[:2]
 
 
 # Real jobs on the real server.

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.cli import run_cli
 from tests.support.tenant_server import AUTH_TOKEN, TenantServer, run_tenant_server
-from tests.test_client_cli import run_cli
 
 SERVER_ARGS = ("--max-running-jobs", "1", "--retry-backoff-s", "0")
 ADMIN = {"JOBS_SERVER_AUTH_TOKEN": AUTH_TOKEN}

@@ -29,9 +29,9 @@ from jobs_server.manager.store import JobStore
 from tests.support.api import job_logs, submit, wait_for_status
 from tests.support.managers import running_manager
 from tests.support.processes import free_port, stop_process_group
+from tests.support.queue import until_status
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_queue import until_status
 
 Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"

@@ -4,14 +4,12 @@ uploads are refused with 507, healthz stays 200 and says so, running jobs go on.
 from __future__ import annotations
 
 import asyncio
-import errno
 import io
 import os
 import sqlite3
-import subprocess
 import time
 import zipfile
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,53 +28,15 @@ from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
+from tests.support.disks import SMALL_DISK_BYTES, fill
 from tests.support.fakes import FakeJobManager
 from tests.support.openapi_contract import Contract
 
 Client = TestClient[Any, Any]
 
-SMALL_DISK_BYTES = 16 * 1024 * 1024
 MIN_FREE_BYTES = 4 * 1024 * 1024
 # What the filler file leaves free: below the threshold, above nothing.
 LEFT_FREE_BYTES = 1024 * 1024
-FILL_TRIES = 50
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A 16 MiB tmpfs of its own (the tests run as root, here and in CI)."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_BYTES}", "tmpfs", str(mount_point)],
-        check=True,
-    )
-    try:
-        yield mount_point
-    finally:
-        # Lazy: a supervisor may still hold a log file open; the memory goes when it lets go.
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
-
-
-def fill(disk: Path, leave_free_bytes: int) -> Path:
-    """A file that takes all of `disk`'s free space but `leave_free_bytes`. A server may write
-    to the disk meanwhile: what it took between reading the free space and taking it is left
-    out on the next try."""
-    filler = disk / "filler"
-    with filler.open("ab") as file:
-        for _ in range(FILL_TRIES):
-            stats = os.statvfs(disk)
-            size = stats.f_bavail * stats.f_frsize - leave_free_bytes
-            if size <= 0:
-                return filler
-            try:
-                os.posix_fallocate(file.fileno(), os.fstat(file.fileno()).st_size, size)
-            except OSError as error:
-                if error.errno != errno.ENOSPC:
-                    raise
-                continue
-            return filler
-    raise AssertionError(f"{disk} kept changing: could not take its free space")
 
 
 def tiny_zip() -> bytes:

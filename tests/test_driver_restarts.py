@@ -9,7 +9,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from tests.test_restarts import embedded_server, ray_tmpdir  # noqa: F401 (ray_tmpdir: a fixture)
+from tests.support.restarts import embedded_server
 
 DRIVER = (
     "import os, ray; ray.init(); "
@@ -20,7 +20,7 @@ DRIVER = (
 
 def test_a_drivers_job_id_and_driver_info_survive_a_restart_on_a_new_ray(
     tmp_path: Path,
-    ray_tmpdir: Path,  # noqa: F811
+    ray_tmpdir: Path,
 ) -> None:
     server = embedded_server(tmp_path, ray_tmpdir)
     server.start()

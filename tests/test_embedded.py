@@ -7,10 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -25,16 +22,6 @@ pytestmark = pytest.mark.ray
 
 # How long a job that some port accepted gets to leave its marker.
 MARKER_WAIT_S = 15
-
-
-@pytest.fixture
-def ray_tmpdir() -> Iterator[Path]:
-    """A temp dir of its own for the embedded Ray (a short path: Ray's sockets live under it)."""
-    path = Path(tempfile.mkdtemp(prefix="rem", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def listening_ports(root_pid: int) -> set[tuple[str, int]]:

@@ -21,10 +21,9 @@ from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobSpec, new_run_id
 from tests.support.fakes import FakeJobManager
-from tests.test_events import SseReader, wait_subscribed
+from tests.support.sse import READ_TIMEOUT_S, SseReader, wait_subscribed
 
 Client = TestClient[Any, Any]
-READ_TIMEOUT_S = 20.0
 KEPT_EVENTS = 20
 
 Item = JobEvent | FeedReset | None
@@ -174,19 +173,20 @@ async def test_an_sse_client_that_fell_behind_reads_a_reset_event(
     await wait_subscribed(fake, 1)
     first = fake.event_log.record(JobEventType.DELETED, None, "first")
     (event,) = await reader.events(1)
-    assert (event["event"], int(event["id"])) == ("job", first.id)
+    assert (event.event, int(event.id or "")) == ("job", first.id)
 
     # 30 events at once, none read by the stream meanwhile: its buffer overflows, and the log
     # keeps only the last 10.
     for number in range(30):
         fake.event_log.record(JobEventType.DELETED, None, f"burst-{number}")
     reset = await reader.next_event()
-    assert reset["event"] == "reset", f"got {reset} after event {first.id}"
-    assert "id" not in reset
-    body = json.loads(reset["data"])
+    assert reset.event == "reset", f"got {reset} after event {first.id}"
+    # No id line: the last event ID stays the last job event's, where a reconnect resumes.
+    assert reset.id == str(first.id)
+    body = json.loads(reset.data)
     assert body["type"] == "reset"
     assert body["oldest_id"] == fake.event_log.events[0].id
     after = fake.event_log.record(JobEventType.DELETED, None, "after")
     (event,) = await reader.events(1)
-    assert (event["event"], int(event["id"])) == ("job", after.id)
+    assert (event.event, int(event.id or "")) == ("job", after.id)
     response.close()

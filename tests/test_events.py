@@ -14,6 +14,7 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
+from jobs_server.client.sse import Event
 from jobs_server.keys import JOB_MANAGER_KEY, SHUTTING_DOWN_KEY
 from jobs_server.manager import event_feed as event_feed_module
 from jobs_server.manager.archive import Archive
@@ -23,44 +24,16 @@ from jobs_server.routes import events as events_route
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager, InMemoryEventLog
-from tests.test_streams import poll_until
+from tests.support.processes import poll_until
+from tests.support.sse import READ_TIMEOUT_S, SseReader, wait_subscribed
 
 Client = TestClient[Any, Any]
-READ_TIMEOUT_S = 20.0
 
 
-class SseReader:
-    """Reads Server-Sent Events off a response as they come: (event name, id, data, comments)."""
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self.response = response
-        self.comments: list[str] = []
-
-    async def next_event(self) -> dict[str, str]:
-        event: dict[str, str] = {}
-        while True:
-            raw = await asyncio.wait_for(self.response.content.readline(), READ_TIMEOUT_S)
-            if not raw:
-                raise EOFError("the stream ended")
-            line = raw.decode().rstrip("\r\n")
-            if not line:
-                if event:
-                    return event
-                continue
-            if line.startswith(":"):
-                self.comments.append(line)
-                continue
-            name, _, value = line.partition(": ")
-            event[name] = value
-
-    async def events(self, count: int) -> list[dict[str, str]]:
-        return [await self.next_event() for _ in range(count)]
-
-
-def job_events(events: list[dict[str, str]]) -> list[dict[str, Any]]:
-    assert all(event["event"] == "job" for event in events), events
-    bodies = [json.loads(event["data"]) for event in events]
-    assert [int(event["id"]) for event in events] == [body["id"] for body in bodies]
+def job_events(events: list[Event]) -> list[dict[str, Any]]:
+    assert all(event.event == "job" for event in events), events
+    bodies = [json.loads(event.data) for event in events]
+    assert [int(event.id or "") for event in events] == [body["id"] for body in bodies]
     return bodies
 
 
@@ -87,14 +60,6 @@ async def submit_fake(client: Client, submission_id: str) -> None:
         "/api/jobs/", json={"entrypoint": "echo hi", "submission_id": submission_id}
     )
     assert response.status == 200, await response.text()
-
-
-async def wait_subscribed(fake: FakeJobManager, count: int) -> None:
-    for _ in range(200):
-        if len(fake.event_feed) == count:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{len(fake.event_feed)} subscribers, expected {count}")
 
 
 async def test_a_job_s_life_streams_in_order_with_increasing_ids(
@@ -169,9 +134,9 @@ async def test_an_id_older_than_the_oldest_kept_gets_a_reset_then_now(
     assert (await fake.event_log.event_id_range()) == (2, 3)
     reader = await stream(headers={"Last-Event-ID": "0"})
     reset = await reader.next_event()
-    assert reset["event"] == "reset"
-    assert "id" not in reset  # the client's Last-Event-ID stays what it was
-    body = json.loads(reset["data"])
+    assert reset.event == "reset"
+    assert reset.id is None  # no id line: the client's Last-Event-ID stays what it was
+    body = json.loads(reset.data)
     assert body["type"] == "reset"
     assert body["oldest_id"] == 2
     assert body["reason"]

@@ -24,6 +24,7 @@ from jobs_server.manager.process import (
     kill_job_processes,
     signal_job_processes,
 )
+from tests.support.commands import ESCAPED_SHELLS, MANY_THEN_FINISHES
 from tests.support.fork_servers import (
     CONTAINMENTS,
     job_env,
@@ -31,7 +32,6 @@ from tests.support.fork_servers import (
     subreaper_fork_server,
     wait_until,
 )
-from tests.test_stopping import ESCAPED_SHELLS, MANY_THEN_FINISHES
 
 PYTHON = os.path.realpath(sys.executable)
 

@@ -22,8 +22,8 @@ from jobs_server.manager.archive import archive_path
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
+from tests.support.disks import fill
 from tests.support.openapi_contract import Contract
-from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
 
 Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
@@ -36,7 +36,7 @@ def contract() -> Contract:
 
 
 @pytest.fixture
-def disk_settings(settings: Settings, small_disk: Path, tmp_path: Path) -> Settings:  # noqa: F811
+def disk_settings(settings: Settings, small_disk: Path, tmp_path: Path) -> Settings:
     """The state (the archive) on the small disk, no threshold: its writes meet the full disk
     (the logs elsewhere: the jobs' own output is not what is tested)."""
     return settings.model_copy(
@@ -85,7 +85,7 @@ def refuse_hand_over_on_a_full_disk(
 async def test_a_hand_over_refused_on_a_full_disk_ends_failed_not_pending(
     aiohttp_client: AiohttpClient,
     disk_settings: Settings,
-    small_disk: Path,  # noqa: F811
+    small_disk: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     contract: Contract,
@@ -142,7 +142,7 @@ async def test_a_hand_over_refused_on_a_full_disk_ends_failed_not_pending(
 async def test_a_stop_while_the_disk_is_full_stops_the_job_and_is_archived_later(
     aiohttp_client: AiohttpClient,
     disk_settings: Settings,
-    small_disk: Path,  # noqa: F811
+    small_disk: Path,
     tmp_path: Path,
     contract: Contract,
     space_back: str,

@@ -13,20 +13,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from tests.support.gcs import assert_unavailable, head_node, logs, start_server, submit, wait_status
 from tests.support.processes import stop_process_group, wait_until
-from tests.test_gcs_faults import (
-    assert_unavailable,
-    head_node,
-    logs,
-    redis_address,
-    start_server,
-    submit,
-    wait_status,
-)
 
 pytestmark = pytest.mark.gcs
-
-__all__ = ["redis_address"]  # a fixture of its module, used here
 
 # The watch's reason, as /api/healthz says it; a GCS call that timed out says another thing.
 WATCH_REASON = "does not answer"

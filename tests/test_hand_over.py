@@ -26,8 +26,8 @@ from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.support.api import wait_for_status
 from tests.support.managers import running_manager
+from tests.support.queue import TERMINAL, until_status
 from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.test_queue import TERMINAL, until_status
 
 Client = TestClient[Any, Any]
 WAIT_S = 90.0

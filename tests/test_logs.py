@@ -12,6 +12,7 @@ import pytest
 from aiohttp import ClientTimeout
 from aiohttp.test_utils import TestClient
 
+from jobs_server.client.sse import parse_events
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import complete_utf8_length, read_log_chunks
 from jobs_server.settings import Settings
@@ -136,20 +137,6 @@ async def test_websocket_tail_from_an_offset(client: Client) -> None:
     assert text == "éह\n"
 
 
-def parse_sse(raw: str) -> list[dict[str, str]]:
-    events = []
-    for block in raw.replace("\r\n", "\n").split("\n\n"):
-        fields: dict[str, str] = {}
-        for line in block.split("\n"):
-            if not line or line.startswith(":"):
-                continue
-            name, _, value = line.partition(":")
-            fields[name] = value[1:] if value.startswith(" ") else value
-        if fields:
-            events.append(fields)
-    return events
-
-
 async def read_sse(client: Client, job_id: str, headers: dict[str, str] | None = None) -> str:
     async with client.get(f"/api/jobs/{job_id}/logs/stream", headers=headers or {}) as response:
         assert response.status == 200
@@ -159,12 +146,12 @@ async def read_sse(client: Client, job_id: str, headers: dict[str, str] | None =
 
 async def test_sse_events_carry_offsets_and_a_final_status(client: Client) -> None:
     job_id = await finished_job(client, "printf 'a\\r\\nb\\n'; exit 3")
-    events = parse_sse(await read_sse(client, job_id))
-    log_events = [event for event in events if "event" not in event]
-    assert "".join(json.loads(event["data"]) for event in log_events) == "a\r\nb\n"
-    assert log_events[-1]["id"] == "5"
-    assert events[-1]["event"] == "end"
-    assert json.loads(events[-1]["data"]) == {"status": "FAILED", "offset": 5}
+    events = parse_events(await read_sse(client, job_id))
+    log_events = [event for event in events if event.event == "message"]
+    assert "".join(json.loads(event.data) for event in log_events) == "a\r\nb\n"
+    assert log_events[-1].id == "5"
+    assert events[-1].event == "end"
+    assert json.loads(events[-1].data) == {"status": "FAILED", "offset": 5}
 
 
 async def test_sse_reconnect_with_last_event_id_resumes_exactly(client: Client) -> None:
@@ -177,14 +164,14 @@ async def test_sse_reconnect_with_last_event_id_resumes_exactly(client: Client) 
         buffer = ""
         async for data in response.content.iter_any():
             buffer += data.decode()
-            events = [e for e in parse_sse(buffer.rsplit("\n\n", 1)[0]) if "event" not in e]
+            events = [e for e in parse_events(buffer) if e.event == "message"]
             if len(events) >= 2:
-                first_part = "".join(json.loads(event["data"]) for event in events)
-                last_id = events[-1]["id"]
+                first_part = "".join(json.loads(event.data) for event in events)
+                last_id = events[-1].id or ""
                 break  # the client drops the connection while the job writes
     assert first_part.startswith("line-1\n")
-    rest = parse_sse(await read_sse(client, job_id, {"Last-Event-ID": last_id}))
-    second_part = "".join(json.loads(event["data"]) for event in rest if "event" not in event)
+    rest = parse_events(await read_sse(client, job_id, {"Last-Event-ID": last_id}))
+    second_part = "".join(json.loads(event.data) for event in rest if event.event == "message")
     assert first_part + second_part == "".join(f"line-{i}\n" for i in range(1, 7))
     assert int(last_id) == len(first_part.encode())
 
@@ -195,8 +182,8 @@ async def test_invalid_utf8_and_split_characters_never_break_streams(client: Cli
     async with client.ws_connect(f"/api/jobs/{job_id}/logs/tail") as websocket:
         tail = "".join([message.data async for message in websocket])
     assert tail == "é \ufffd end\n"
-    events = parse_sse(await read_sse(client, job_id))
-    assert "".join(json.loads(e["data"]) for e in events if "event" not in e) == tail
+    events = parse_events(await read_sse(client, job_id))
+    assert "".join(json.loads(e.data) for e in events if e.event == "message") == tail
     assert await job_logs(client, job_id) == tail
 
 

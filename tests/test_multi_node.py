@@ -22,12 +22,12 @@ import aiohttp
 import psutil
 import pytest
 
+from jobs_server.client.sse import parse_events
 from tests.support.api import TERMINAL_STATUSES, job_logs, submit, wait_for_status
+from tests.support.commands import counted
 from tests.support.processes import free_port, host_pids, stop_process_group, wait_until
-from tests.support.ray_nodes import RAY_BIN
+from tests.support.ray_nodes import RayNode, start_ray_node
 from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_logs import parse_sse
-from tests.test_retries import counted
 
 pytestmark = pytest.mark.multinode
 
@@ -37,35 +37,6 @@ WORKER_IP = "127.0.0.22"
 DOOMED_WORKER_IP = "127.0.0.23"
 WORKER_RESOURCE = "worker_only"
 WORKER_RESOURCE_AMOUNT = 2
-
-
-@dataclass(frozen=True)
-class RayNode:
-    process: subprocess.Popen[bytes]
-    ip: str
-    log_path: Path
-    temp_dir: Path | None = None
-    """The node's TMPDIR, where supervisors there spool job logs (worker nodes only)."""
-
-    def wait_until_started(self) -> None:
-        wait_until(
-            lambda: (
-                "Ray runtime started" in self.log_path.read_text(errors="replace")
-                or self.process.poll() is not None
-            ),
-            90,
-            f"the Ray node on {self.ip}",
-        )
-        assert self.process.poll() is None, self.log_path.read_text(errors="replace")
-
-    def raylet(self) -> psutil.Process:
-        raylets = [
-            child
-            for child in psutil.Process(self.process.pid).children(recursive=True)
-            if child.name() == "raylet"
-        ]
-        assert len(raylets) == 1, raylets
-        return raylets[0]
 
 
 # Worker nodes need nothing but Ray: on them, `import jobs_server` fails, as on a machine where
@@ -84,32 +55,6 @@ class _NotInstalled(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _NotInstalled())
 """
-
-
-def start_ray_node(
-    args: list[str],
-    ip: str,
-    log_path: Path,
-    env: dict[str, str] | None = None,
-    temp_dir: Path | None = None,
-) -> RayNode:
-    """`ray start --block ARGS` in a process group of its own."""
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(
-            [
-                str(RAY_BIN),
-                "start",
-                "--block",
-                f"--node-ip-address={ip}",
-                "--disable-usage-stats",
-                *args,
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    return RayNode(process, ip, log_path, temp_dir)
 
 
 @dataclass(frozen=True)
@@ -258,8 +203,8 @@ async def follow_text(http: aiohttp.ClientSession, job_id: str) -> str:
 async def follow_sse(http: aiohttp.ClientSession, job_id: str) -> str:
     async with http.get(f"/api/jobs/{job_id}/logs/stream") as response:
         assert response.status == 200
-        events = parse_sse((await response.read()).decode())
-    return "".join(json.loads(event["data"]) for event in events if "event" not in event)
+        events = parse_events((await response.read()).decode())
+    return "".join(json.loads(event.data) for event in events if event.event == "message")
 
 
 async def follow_until(http: aiohttp.ClientSession, job_id: str, last_line: str) -> str:

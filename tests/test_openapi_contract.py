@@ -30,6 +30,7 @@ from tests.support.openapi_contract import (
     HTTP_METHODS,
     NO_ROUTE_OPERATION,
     Contract,
+    Exchange,
     load_spec,
     schema_shape,
     shape_differences,
@@ -112,34 +113,6 @@ def test_document_schemas_are_the_models(contract: Contract) -> None:
         documented = schema_shape(schemas[name], contract.spec)
         differences = shape_differences(documented, expected)
         assert differences == [], f"components/schemas/{name} is not the model {name}"
-
-
-class Exchange:
-    """Sends requests and checks every answer against the document."""
-
-    def __init__(self, client: TestClient[Any, Any], contract: Contract) -> None:
-        self.client = client
-        self.contract = contract
-
-    async def call(self, method: str, path: str, *, expect: int, **request: Any) -> Any:
-        """Send the request; check the answer against the document and `expect`; its JSON."""
-        async with self.client.request(method, path, **request) as response:
-            # A 101 switched to the websocket protocol: there is no HTTP body to read.
-            body = None if response.status == 101 else await response.read()
-            data = self.contract.check_response(
-                method, path, response.status, response.headers, body
-            )
-        assert response.status == expect, f"{method} {path}: {response.status}: {body!r}"
-        return data
-
-    async def call_stream(self, path: str, *, lines: int, **request: Any) -> Any:
-        """GET an endless stream, check its first `lines` lines against the document."""
-        async with self.client.get(path, **request) as response:
-            body = b"".join([await response.content.readline() for _ in range(lines)])
-            assert response.status == 200, f"GET {path}: {response.status}: {body!r}"
-            return self.contract.check_response(
-                "GET", path, response.status, response.headers, body
-            )
 
 
 def _tiny_zip() -> bytes:

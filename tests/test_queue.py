@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,28 +17,20 @@ import pytest
 from aiohttp.test_utils import TestClient
 
 from jobs_server.errors import JobNotFoundError, QueueFullError
-from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
+from jobs_server.manager import JobRecord, JobStatus
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
-from tests.support.managers import running_manager
-from tests.support.openapi_contract import Contract
-from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.test_openapi_contract import Exchange
+from tests.support.openapi_contract import Contract, Exchange
+from tests.support.queue import TERMINAL, WAIT_S, gate, queue_manager, spec, until_status
 
 Client = TestClient[Any, Any]
-WAIT_S = 90.0
 
 
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
     return settings.model_copy(update={"max_running_jobs": 1, "max_queued_jobs": 2})
-
-
-def gate(path: Path) -> str:
-    """A command that runs until `path` exists (the test opens the gate)."""
-    return f"while [ ! -e {path} ]; do sleep 0.05; done"
 
 
 async def test_over_the_cap_a_job_waits_with_its_place_and_a_full_queue_is_429(
@@ -119,50 +109,6 @@ async def test_a_priority_goes_first_and_ray_clients_need_not_send_one(
     for job_id in (high, low):
         assert (await wait_for_status(client, job_id, timeout_s=WAIT_S))["status"] == "SUCCEEDED"
     assert order.read_text() == "high\nlow\n"
-
-
-@asynccontextmanager
-async def queue_manager(
-    gcs_address: str,
-    state_dir: Path,
-    *,
-    max_running: int | None = None,
-    max_queued: int | None = None,
-    tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
-) -> AsyncIterator[JobManager]:
-    """A manager on the session's Ray, in a namespace of its own, with the caps given."""
-    namespace = f"test_queue_{uuid.uuid4().hex[:8]}"
-    try:
-        async with running_manager(
-            gcs_address,
-            namespace,
-            state_dir,
-            max_running_jobs=max_running,
-            max_queued_jobs=max_queued,
-            tenant_limits=tenant_limits,
-        ) as (manager, _):
-            yield manager
-    finally:
-        kill_actors_in_namespace(namespace)
-
-
-def spec(submission_id: str, entrypoint: str = "true", priority: int = 0) -> JobSpec:
-    return JobSpec(entrypoint=entrypoint, submission_id=submission_id, priority=priority)
-
-
-async def until_status(
-    manager: JobManager, submission_id: str, statuses: set[JobStatus]
-) -> JobRecord:
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        record = await manager.get_job(submission_id)
-        if record.status in statuses:
-            return record
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job {submission_id} is still {record.status}: {record.message}")
-
-
-TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
 
 
 async def test_tenants_take_turns_and_priority_orders_each_tenants_jobs(

@@ -11,19 +11,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.test_restarts import (  # noqa: F401 (ray_tmpdir: a fixture)
-    Cluster,
-    Server,
-    embedded_server,
-    ray_tmpdir,
-)
+from tests.support.restarts import Cluster, Server, embedded_server
 
 pytestmark = pytest.mark.ray
 
 
 def test_a_full_queue_survives_kill_9_of_the_server_in_the_same_order(
     tmp_path: Path,
-    ray_tmpdir: Path,  # noqa: F811
+    ray_tmpdir: Path,
 ) -> None:
     order = tmp_path / "order"
     go = tmp_path / "go"
@@ -78,7 +73,7 @@ def test_a_full_queue_survives_kill_9_of_the_server_in_the_same_order(
 
 def test_queued_jobs_wait_for_the_next_embedded_server_when_one_stops(
     tmp_path: Path,
-    ray_tmpdir: Path,  # noqa: F811
+    ray_tmpdir: Path,
 ) -> None:
     """An embedded server's jobs stop with it (its Ray does); a queued job never started, so it
     stays queued and the next server runs it."""

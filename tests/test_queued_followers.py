@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from jobs_server.manager.records import JobStatus
-from tests.test_queue import TERMINAL, gate, queue_manager, spec, until_status
+from tests.support.queue import TERMINAL, gate, queue_manager, spec, until_status
 
 FOLLOWERS = 5
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,8 +12,7 @@ import pytest
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.support.processes import wait_until
-
-RAY_CLI = str(Path(sys.executable).parent / "ray")
+from tests.support.ray_nodes import RAY_CLI
 
 
 @pytest.fixture

@@ -5,13 +5,7 @@ empty KV) with the server restarted against it. Real servers, real Ray, real sig
 
 from __future__ import annotations
 
-import os
-import random
-import shutil
 import signal
-import subprocess
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,114 +13,11 @@ import psutil
 import pytest
 import requests
 
-from tests.support.processes import free_port, stop_process_group, wait_until
-from tests.support.ray_nodes import RAY_BIN, RAY_NODE_IP
-from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_disk_guard import fill, small_disk  # noqa: F401 (small_disk: a fixture)
+from tests.support.disks import fill
+from tests.support.processes import wait_until
+from tests.support.restarts import JOB_TIMEOUT_S, Cluster, Server, embedded_server
 
 pytestmark = pytest.mark.ray
-
-JOB_TIMEOUT_S = 120
-
-
-@pytest.fixture
-def ray_tmpdir() -> Iterator[Path]:
-    """A short temp dir of its own for the Ray instances of one test (Ray's socket paths)."""
-    path = Path(tempfile.mkdtemp(prefix="rrs", dir="/tmp"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-class Server:
-    """`jobs-server serve` in its own process group, on a state dir that outlives it."""
-
-    def __init__(
-        self,
-        tmp_path: Path,
-        ray_tmpdir: Path,
-        ray_args: list[str],
-        state_dir: Path | None = None,
-    ) -> None:
-        self.tmp_path = tmp_path
-        self.state_dir = state_dir or tmp_path / "state"
-        self.ray_tmpdir = ray_tmpdir
-        self.ray_args = ray_args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        env = {
-            **{k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)},
-            "RAY_AUTH_MODE": "disabled",
-            "RAY_TMPDIR": str(self.ray_tmpdir),
-        }
-        log_path = self.tmp_path / "server.log"
-        self.process = start_jobs_server(
-            [
-                *self.ray_args,
-                *("--port", str(self.port)),
-                *("--state-dir", str(self.state_dir)),
-                *("--stop-grace-s", "1"),
-            ],
-            log_path,
-            env,
-        )
-        wait_for_server(self.url, self.process, log_path, timeout_s=180)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process_group(self.process, timeout_s=60)
-
-    def kill(self) -> None:
-        """kill -9 of the server and everything in its process group (its embedded Ray)."""
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-
-    def submit(self, **body: Any) -> str:
-        response = requests.post(f"{self.url}/api/jobs/", json=body, timeout=60)
-        assert response.status_code == 200, response.text
-        return str(response.json()["submission_id"])
-
-    def job(self, job_id: str) -> dict[str, Any]:
-        response = requests.get(f"{self.url}/api/jobs/{job_id}", timeout=30)
-        assert response.status_code == 200, response.text
-        return dict(response.json())
-
-    def wait_status(self, job_id: str, *statuses: str) -> dict[str, Any]:
-        found: dict[str, Any] = {}
-
-        def reached() -> bool:
-            found.update(self.job(job_id))
-            return found["status"] in statuses
-
-        wait_until(reached, JOB_TIMEOUT_S, f"job {job_id} {statuses}")
-        return found
-
-    def logs(self, job_id: str) -> str:
-        response = requests.get(f"{self.url}/api/jobs/{job_id}/logs", timeout=30)
-        assert response.status_code == 200, response.text
-        return str(response.json()["logs"])
-
-    def listed(self, **params: str) -> dict[str, dict[str, Any]]:
-        response = requests.get(f"{self.url}/api/jobs/", params=params, timeout=60)
-        assert response.status_code == 200, response.text
-        return {job["submission_id"]: job for job in response.json()}
-
-
-def embedded_server(
-    tmp_path: Path, ray_tmpdir: Path, *extra_args: str, state_dir: Path | None = None
-) -> Server:
-    node_ip = f"127.0.0.{random.randint(100, 250)}"
-    return Server(
-        tmp_path,
-        ray_tmpdir,
-        ["--ray-address", "local", "--embedded-ray-node-ip", node_ip, *extra_args],
-        state_dir,
-    )
 
 
 def marker(server: Server) -> str:
@@ -209,7 +100,7 @@ def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_job
 def test_an_embedded_server_stopped_on_a_full_disk_still_stops_its_jobs_gracefully(
     tmp_path: Path,
     ray_tmpdir: Path,
-    small_disk: Path,  # noqa: F811
+    small_disk: Path,
 ) -> None:
     """The archive's disk is full when the server is stopped: the end cannot be archived, but
     each running job is still asked to stop (SIGTERM, its grace period) before the embedded Ray
@@ -264,45 +155,6 @@ def test_kill_9_of_an_embedded_server_keeps_history_and_fails_the_running_jobs(
         assert "started" in server.logs(jobs["running"])
     finally:
         server.stop()
-
-
-class Cluster:
-    """A Ray head of its own (`ray start --head --block`, its own process group)."""
-
-    def __init__(self, tmp_path: Path, ray_tmpdir: Path) -> None:
-        self.port = free_port(RAY_NODE_IP)
-        self.address = f"{RAY_NODE_IP}:{self.port}"
-        log = (tmp_path / f"ray-{self.port}.log").open("wb")
-        self.process = subprocess.Popen(
-            [
-                str(RAY_BIN),
-                "start",
-                "--head",
-                "--block",
-                f"--node-ip-address={RAY_NODE_IP}",
-                f"--port={self.port}",
-                "--include-dashboard=false",
-                "--disable-usage-stats",
-                "--num-cpus=2",
-            ],
-            env={**os.environ, "RAY_TMPDIR": str(ray_tmpdir), "RAY_AUTH_MODE": "disabled"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        log.close()
-        wait_until(lambda: _port_open(RAY_NODE_IP, self.port), 60, "the Ray head node")
-
-    def stop(self) -> None:
-        stop_process_group(self.process, timeout_s=60)
-
-
-def _port_open(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 def test_a_restarted_cluster_with_an_empty_kv_keeps_history_and_fails_the_running_jobs(

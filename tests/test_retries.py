@@ -18,8 +18,8 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
-from tests.test_stopping import wait_for_log
+from tests.support.api import submit, wait_for_log, wait_for_status
+from tests.support.commands import counted
 
 Client = TestClient[Any, Any]
 MakeClient = Callable[..., Awaitable[Client]]
@@ -44,15 +44,6 @@ async def client(aiohttp_client: MakeClient, settings: Settings) -> Client:
 async def slow_client(aiohttp_client: MakeClient, settings: Settings) -> Client:
     """A server whose first retry waits LONG_BACKOFF_S."""
     return await aiohttp_client(create_app(retry_settings(settings, LONG_BACKOFF_S)))
-
-
-def counted(counter: Path, then: str) -> str:
-    """A command that counts its attempts in `counter` (as $n), says which one it is (not in
-    ASCII: offsets are bytes), then runs `then`."""
-    return (
-        f"n=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 )); echo $n > {counter}; "
-        f'echo "attempt $n: début"; {then}'
-    )
 
 
 def fails_until(counter: Path, succeeding_attempt: int, exit_code: int = 7) -> str:

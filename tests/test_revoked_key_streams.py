@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientPayloadError, ClientSession, ClientTimeout, WSMsgType
 
+from jobs_server.client.sse import parse_events
 from tests.support.tenant_server import (
     KEY_SPECS,
     TenantServer,
@@ -25,7 +26,6 @@ from tests.support.tenant_server import (
     submit_as,
     tokens_toml,
 )
-from tests.test_logs import parse_sse
 
 # The key whose reload is tested (K), and a key of the same tenant that stays valid.
 REVOKED = "a-read"
@@ -190,9 +190,9 @@ async def test_a_revoked_key_ends_its_open_streams(
                 assert error is None, (stream.kind, error)
         assert by_kind["logs_tail"].close_code == POLICY_VIOLATION
         for kind in ("events_sse", "logs_sse"):
-            last_event = parse_sse(by_kind[kind].text())[-1]
-            assert last_event.get("event") == "revoked", (kind, last_event)
-            assert json.loads(last_event["data"])["error"]["code"] == "key_revoked", last_event
+            last_event = parse_events(by_kind[kind].text())[-1]
+            assert last_event.event == "revoked", (kind, last_event)
+            assert json.loads(last_event.data)["error"]["code"] == "key_revoked", last_event
         last_line = json.loads(by_kind["events_ndjson"].text().strip().splitlines()[-1])
         assert last_line["error"]["code"] == "key_revoked", last_line
         await assert_still_open(streaming, server, kept_streams)

@@ -18,65 +18,17 @@ import aiohttp
 import pytest
 
 from tests.support.api import job_logs, submit, wait_for_status
-from tests.support.processes import free_port, stop_process_group
-from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_multi_node import start_ray_node
+from tests.support.processes import stop_process_group
+from tests.support.ray_nodes import start_ray_node
+from tests.support.servers import wait_for_server
+from tests.support.shutdown import EXIT_MARGIN_S, SHUTDOWN_TIMEOUT_S, Server
 
-SHUTDOWN_TIMEOUT_S = 5.0
-# Room for the cleanup after the streams ended (the manager, leaving Ray) on a loaded machine;
-# far below aiohttp's own 60 s.
-EXIT_MARGIN_S = 20.0
 # The embedded Ray instance's own address: no other test's cluster is on it.
 EMBEDDED_NODE_IP = "127.0.0.41"
 SECRET_TOKEN = f"token-{uuid.uuid4().hex}"
 SECRET_FILE_TOKEN = f"file-token-{uuid.uuid4().hex}"
 SECRET_NODE_IP = "127.0.0.42"
 SECRET_NODE_RESOURCE = "node_with_the_token"
-
-
-class Server:
-    """A `jobs-server serve` process on a free port; stopped (and its actors killed) at the end."""
-
-    def __init__(self, tmp_path: Path, args: list[str], env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.namespace = f"test_shutdown_{uuid.uuid4().hex[:8]}"
-        self.log_path = tmp_path / "server.log"
-        self.process = start_jobs_server(
-            [
-                "--port",
-                str(self.port),
-                "--log-dir",
-                str(tmp_path / "logs"),
-                "--state-dir",
-                str(tmp_path / "state"),
-                "--namespace",
-                self.namespace,
-                "--shutdown-timeout-s",
-                str(SHUTDOWN_TIMEOUT_S),
-                *args,
-            ],
-            self.log_path,
-            env=None if env is None else {**os.environ, **env},
-        )
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    async def exit_code_after(self, signal_number: int, timeout_s: float) -> int:
-        """Send the signal to the server process alone (as systemd's main-process mode and
-        Kubernetes do) and wait for it to exit."""
-        self.process.send_signal(signal_number)
-        deadline = time.monotonic() + timeout_s
-        while self.process.poll() is None:
-            assert time.monotonic() < deadline, f"still running {timeout_s}s after the signal"
-            await asyncio.sleep(0.1)
-        return self.process.returncode
-
-    def stop(self) -> None:
-        stop_process_group(self.process)
-        kill_actors_in_namespace(self.namespace)
 
 
 @pytest.fixture

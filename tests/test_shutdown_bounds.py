@@ -13,7 +13,7 @@ import pytest
 
 from tests.support.api import submit, wait_for_status
 from tests.support.servers import wait_for_server
-from tests.test_shutdown import EXIT_MARGIN_S, Server
+from tests.support.shutdown import EXIT_MARGIN_S, Server
 
 SHUTDOWN_TIMEOUT_S = 5.0
 # aiohttp waits this long for a websocket client's close frame unless told otherwise (the

@@ -29,10 +29,9 @@ from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
 from jobs_server.manager.watcher import JobWatchers
-from tests.support.fork_servers import CONTAINMENTS, subreaper_fork_server, wait_until
+from tests.support.fork_servers import CONTAINMENTS, Host, subreaper_fork_server, wait_until
 from tests.support.managers import running_manager
 from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.test_attempt_faults import Host
 
 
 async def until(predicate: Callable[[], Awaitable[object]], what: str) -> None:

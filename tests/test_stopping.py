@@ -28,16 +28,13 @@ from jobs_server.manager.process import (
     start_entrypoint,
 )
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.api import job_logs, submit, wait_for_log, wait_for_status
+from tests.support.commands import ESCAPED_SHELLS, MANY_THEN_FINISHES
 
 Client = TestClient[Any, Any]
 
 STOPPED_JOBS = 100
 NEVER_FINISHES = "sleep 60; echo finished"
-# The same with more processes to signal: signalled one by one (in no set order), the shell's
-# foreground child often dies while many others are still to be signalled, and the shell
-# then has all that time to run its next command.
-MANY_THEN_FINISHES = "for i in 1 2 3 4 5 6 7 8 9 10; do sleep 60 & done; sleep 60; echo finished"
 IGNORES_SIGTERM = "trap '' TERM; echo ready; sleep 1000"
 # Stopped at once, it writes nothing; stopped later, "a" at most: "b" means it ran on.
 SLEEPY = "echo a; sleep 1; echo b"
@@ -45,14 +42,6 @@ STOP_RACES = 120
 STOP_RACE_BATCH = 40
 # What a job that ran on after its stop needs to show it: the rest of its sleep, and more.
 SURVIVOR_SHOWS_S = 1.5
-
-
-async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float = 60) -> None:
-    """Wait until the job's log is `text` (a job that says it is ready)."""
-    deadline = time.monotonic() + timeout_s
-    while await job_logs(client, job_id) != text:
-        assert time.monotonic() < deadline, f"job {job_id} never wrote {text!r}"
-        await asyncio.sleep(0.05)
 
 
 def job_processes(job_id: str) -> list[int]:
@@ -240,11 +229,6 @@ async def test_a_stop_reaches_the_shell_and_its_child_at_once(
     assert [log_path.read_bytes() for _, log_path, _ in runs] == [b""] * len(runs)
 
 
-# Shells that left the command's process group (`setsid`), each waiting for its own child: a
-# stop signals them one by one.
-ESCAPED_SHELLS = (
-    "for i in 1 2 3 4 5 6 7 8; do setsid sh -c 'sleep 60; echo b' & done; echo ready; sleep 60"
-)
 # Jobs enough that some parent and child are not in the order of their pids' hashes (the order
 # of a set of pids, which a stop once signalled them in).
 ESCAPED_SHELL_JOBS = 10

@@ -8,8 +8,7 @@ import contextlib
 import json
 import logging
 import os
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +19,10 @@ from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
 from jobs_server.app import create_app
+from jobs_server.client.sse import parse_events
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
-from tests.test_logs import parse_sse
+from tests.support.processes import poll_until
 
 Client = TestClient[Any, Any]
 
@@ -126,13 +126,6 @@ def open_files() -> list[str]:
     return names
 
 
-async def poll_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
-        await asyncio.sleep(0.05)
-
-
 @LEAVING_MODES
 async def test_clients_that_leave_mid_stream_are_not_errors(
     served: Served, settings: Settings, caplog: pytest.LogCaptureFixture
@@ -227,10 +220,10 @@ async def test_a_job_deleted_during_an_sse_read_ends_it_cleanly(served: Served) 
         assert (await client.delete(f"/api/jobs/{job_id}")).status == 200
         raw = (first + await response.read()).decode()
     assert "HTTP/1.1" not in raw
-    events = parse_sse(raw)
-    assert "".join(json.loads(event["data"]) for event in events) == "a" * BIG_LOG_BYTES
+    events = parse_events(raw)
+    assert "".join(json.loads(event.data) for event in events) == "a" * BIG_LOG_BYTES
     # The job is gone: there is no status to end with; a reconnect gets its 404.
-    assert all("event" not in event for event in events)
+    assert all(event.event == "message" for event in events)
 
 
 async def test_head_on_a_follow_answers_at_once(served: Served) -> None:

@@ -13,8 +13,8 @@ from ray.exceptions import AuthenticationError
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from tests.support.processes import wait_until
+from tests.support.ray_nodes import RAY_CLI
 from tests.support.tenant_server import TenantServer, run_tenant_server
-from tests.test_ray_clients import RAY_CLI
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,17 @@ async def read_events(chunks: AsyncIterable[bytes]) -> AsyncIterator[Event]:
                 yield event
 
 
+def parse_events(text: str) -> list[Event]:
+    """The whole events of a text (a body read so far): an event not yet ended is left out."""
+    fields = _EventFields()
+    events = []
+    for line in text.split("\n")[:-1]:  # the last line is unfinished (or empty)
+        event = fields.take_line(line.removesuffix("\r"))
+        if event is not None:
+            events.append(event)
+    return events
+
+
 class _EventFields:
     """The fields of the event being read."""
 

@@ -52,3 +52,11 @@ async def job_logs(client: HttpClient, job_id: str) -> str:
     response = await client.get(f"/api/jobs/{job_id}/logs")
     assert response.status == 200, await response.text()
     return str((await response.json())["logs"])
+
+
+async def wait_for_log(client: Client, job_id: str, text: str, timeout_s: float = 60) -> None:
+    """Wait until the job's log is `text` (a job that says it is ready)."""
+    deadline = time.monotonic() + timeout_s
+    while await job_logs(client, job_id) != text:
+        assert time.monotonic() < deadline, f"job {job_id} never wrote {text!r}"
+        await asyncio.sleep(0.05)

@@ -16,7 +16,10 @@ import pytest
 
 from jobs_server.manager.containment import SHELL, Containment
 from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.job_run import JobRun
 from jobs_server.manager.process import become_child_subreaper
+from jobs_server.manager.records import RayDriver
+from jobs_server.manager.store import JobStore
 
 CONTAINMENTS = [
     pytest.param(
@@ -82,3 +85,42 @@ def poll_until(condition: Callable[[], object], what: str, timeout_s: float = 15
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.02)
+
+
+class Host:
+    """The supervisor's side that an attempt needs (AttemptHost), around a real fork server."""
+
+    def __init__(self, store: JobStore, forks: ForkServer) -> None:
+        self._store = store
+        self._forks = forks
+
+    @property
+    def supervisor_token(self) -> str:
+        return "attempt-faults"
+
+    def job_store(self) -> JobStore:
+        return self._store
+
+    async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
+        return None  # its commands start no Ray driver
+
+    async def prepare_processes(self) -> Containment:
+        return Containment.MARKER
+
+    def fork_server(self) -> ForkServer | None:
+        return self._forks
+
+    def spool(self, run: JobRun) -> None: ...
+
+    def unspool(self, run: JobRun) -> None: ...
+
+    def is_spooled(self, run: JobRun) -> bool:
+        return False
+
+    def command_starting(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def other_roots(self, run: JobRun) -> frozenset[int]:
+        return frozenset()
+
+    def reap_orphans(self) -> None: ...

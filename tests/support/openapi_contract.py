@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from aiohttp.test_utils import TestClient
 from openapi_schema_validator import OAS31Validator
 from referencing import Registry, Resource
 from referencing.jsonschema import DRAFT202012
@@ -336,3 +337,31 @@ def shape_differences(documented: Any, expected: Any, where: str = "") -> list[s
     return [
         f"{where or '<schema>'}: document {json.dumps(documented)}, model {json.dumps(expected)}"
     ]
+
+
+class Exchange:
+    """Sends requests and checks every answer against the document."""
+
+    def __init__(self, client: TestClient[Any, Any], contract: Contract) -> None:
+        self.client = client
+        self.contract = contract
+
+    async def call(self, method: str, path: str, *, expect: int, **request: Any) -> Any:
+        """Send the request; check the answer against the document and `expect`; its JSON."""
+        async with self.client.request(method, path, **request) as response:
+            # A 101 switched to the websocket protocol: there is no HTTP body to read.
+            body = None if response.status == 101 else await response.read()
+            data = self.contract.check_response(
+                method, path, response.status, response.headers, body
+            )
+        assert response.status == expect, f"{method} {path}: {response.status}: {body!r}"
+        return data
+
+    async def call_stream(self, path: str, *, lines: int, **request: Any) -> Any:
+        """GET an endless stream, check its first `lines` lines against the document."""
+        async with self.client.get(path, **request) as response:
+            body = b"".join([await response.content.readline() for _ in range(lines)])
+            assert response.status == 200, f"GET {path}: {response.status}: {body!r}"
+            return self.contract.check_response(
+                "GET", path, response.status, response.headers, body
+            )

@@ -3,6 +3,7 @@ process group, and a job's pids as the node sees them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -59,3 +60,10 @@ def host_pids(pids: list[int], driver_pid: int) -> list[int]:
                         if line.startswith("NSpid:"):
                             on_the_node[int(line.split()[-1])] = int(name)
     return [on_the_node[pid] for pid in pids]
+
+
+async def poll_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout_s}s waiting for {what}"
+        await asyncio.sleep(0.05)

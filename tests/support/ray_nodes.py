@@ -5,10 +5,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import ray
+
+from tests.support.processes import wait_until
 
 RAY_NODE_IP = "127.0.0.2"
 RAY_BIN = Path(sys.executable).parent / "ray"
@@ -50,3 +55,61 @@ def gcs_is_up(host: str, port: int) -> bool:
     with socket.socket() as sock:
         sock.settimeout(0.5)
         return sock.connect_ex((host, port)) == 0
+
+
+@dataclass(frozen=True)
+class RayNode:
+    process: subprocess.Popen[bytes]
+    ip: str
+    log_path: Path
+    temp_dir: Path | None = None
+    """The node's TMPDIR, where supervisors there spool job logs (worker nodes only)."""
+
+    def wait_until_started(self) -> None:
+        wait_until(
+            lambda: (
+                "Ray runtime started" in self.log_path.read_text(errors="replace")
+                or self.process.poll() is not None
+            ),
+            90,
+            f"the Ray node on {self.ip}",
+        )
+        assert self.process.poll() is None, self.log_path.read_text(errors="replace")
+
+    def raylet(self) -> psutil.Process:
+        raylets = [
+            child
+            for child in psutil.Process(self.process.pid).children(recursive=True)
+            if child.name() == "raylet"
+        ]
+        assert len(raylets) == 1, raylets
+        return raylets[0]
+
+
+def start_ray_node(
+    args: list[str],
+    ip: str,
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    temp_dir: Path | None = None,
+) -> RayNode:
+    """`ray start --block ARGS` in a process group of its own."""
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(
+            [
+                str(RAY_BIN),
+                "start",
+                "--block",
+                f"--node-ip-address={ip}",
+                "--disable-usage-stats",
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    return RayNode(process, ip, log_path, temp_dir)
+
+
+RAY_CLI = str(RAY_BIN)
