@@ -80,3 +80,59 @@ def test_the_supervisor_needs_nothing_on_a_worker_node_but_ray() -> None:
         }
     assert PACKAGE / "manager" / "logs.py" in seen  # the walk follows jobs_server imports
     assert third_party <= SUPERVISOR_MAY_IMPORT, third_party - SUPERVISOR_MAY_IMPORT
+
+
+TESTS = PACKAGE.parent / "tests"
+BENCHMARKS = PACKAGE.parent / "benchmarks"
+
+
+def _named_modules(path: Path) -> set[str]:
+    """Every module `path` imports, with `from a import b` counted as `a.b` as well as `a`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    modules: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return modules
+
+
+def _is_test_module(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "tests" and len(parts) > 1 and parts[1].startswith(("test_", "conftest"))
+
+
+def _is_tests_but_not_support(module: str) -> bool:
+    parts = module.split(".")
+    return parts[0] == "tests" and len(parts) > 1 and parts[1] != "support"
+
+
+def test_tests_and_benchmarks_share_only_tests_support() -> None:
+    """No module imports a test module or conftest (pytest loads those), and benchmarks import
+    from tests/ only tests/support: what they share lives there."""
+    offenders = {}
+    for path in sorted([*TESTS.rglob("*.py"), *BENCHMARKS.rglob("*.py")]):
+        in_benchmarks = path.is_relative_to(BENCHMARKS)
+        found = sorted(
+            {
+                ".".join(module.split(".")[:2])
+                for module in _named_modules(path)
+                if _is_test_module(module) or (in_benchmarks and _is_tests_but_not_support(module))
+            }
+        )
+        if found:
+            offenders[str(path.relative_to(PACKAGE.parent))] = found
+    assert offenders == {}
+
+
+def test_the_shared_import_checker_sees_test_modules(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from tests import conftest\nimport tests.test_logs\nfrom tests.support import x\n"
+    )
+    assert {module for module in _named_modules(sample) if _is_test_module(module)} == {
+        "tests.conftest",
+        "tests.test_logs",
+    }
