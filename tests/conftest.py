@@ -18,6 +18,7 @@ import ray
 from aiohttp import ClientSession
 
 from jobs_server.app import create_app
+from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.settings import Settings
 from tests.support.api import Client
 from tests.support.disks import SMALL_DISK_BYTES
@@ -338,3 +339,12 @@ def redis_address() -> Iterator[str]:
         yield f"127.0.0.1:{port}"
     finally:
         stop_process_group(process)
+
+
+@pytest.fixture
+async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
+    """An open archive (the SQLite job history) in the test's own state dir; closed at the end."""
+    archive = Archive(archive_path(tmp_path / "state"))
+    await archive.open()
+    yield archive
+    await archive.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -36,14 +35,6 @@ def record(
         run_id=new_run_id(),
         message="Job is pending.",
     )
-
-
-@pytest.fixture
-async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
-    archive = Archive(archive_path(tmp_path / "state"))
-    await archive.open()
-    yield archive
-    await archive.close()
 
 
 async def test_a_submission_id_is_taken_once(archive: Archive) -> None:

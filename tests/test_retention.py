@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +26,6 @@ from tests.support.api import submit, wait_for_status
 Client = TestClient[Any, Any]
 
 DAY_MS = 24 * 3600 * 1000
-
-
-@pytest.fixture
-async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
-    archive = Archive(archive_path(tmp_path / "state"))
-    await archive.open()
-    yield archive
-    await archive.close()
 
 
 async def add_job(

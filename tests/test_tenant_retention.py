@@ -13,14 +13,13 @@ import os
 import re
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from aiohttp import ClientSession
 
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
+from jobs_server.manager.archive import Archive, JobQuery
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.retention import Retention, RetentionPolicy
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
@@ -36,14 +35,6 @@ from tests.support.tenant_server import (
 
 DAY_MS = 24 * 3600 * 1000
 DAY_S = 24 * 3600.0
-
-
-@pytest.fixture
-async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
-    archive = Archive(archive_path(tmp_path / "state"))
-    await archive.open()
-    yield archive
-    await archive.close()
 
 
 async def add_job(
