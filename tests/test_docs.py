@@ -3,7 +3,7 @@
 docs/architecture.md maps every module under jobs_server/ and no other, and names every test
 file in its test map; README.md's configuration table lists every option of `Settings`; and
 every relative link in README.md and docs/*.md reaches a file, and a heading there when it
-names one.
+names one. The README opens with its two commands, and CI runs the second one as it is.
 """
 
 from __future__ import annotations
@@ -62,6 +62,29 @@ def anchors(markdown: str) -> set[str]:
                 name = f"{base}-{count}"
             found.add(name)
     return found
+
+
+def test_the_readme_opens_with_the_two_commands_and_ci_runs_the_second() -> None:
+    """A fresh machine: the first sets up and runs the server, the second sets up and passes the
+    tests, and `.ci/run` runs exactly that one."""
+    fences = [
+        block.strip().splitlines()
+        for block in re.findall(r"^```sh\n(.*?)^```", README.read_text(), re.S | re.M)
+    ]
+    serve, check = fences[0], fences[1]
+    assert serve == [
+        "python3 -m venv .venv && .venv/bin/pip install -e . && .venv/bin/jobs-server serve"
+    ]
+    assert len(check) == 1
+    assert check[0].endswith("scripts/check")
+    text = README.read_text()
+    assert text.index("```sh") < text.index("## ")
+    ci_commands = [
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd ", "export "))
+    ]
+    assert ci_commands == check
 
 
 def test_the_checkers_read_markdown() -> None:
