@@ -18,14 +18,13 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientSession, web
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.manager.records import JobSpec
 from jobs_server.settings import Settings
+from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
 
-Client = TestClient[Any, Any]
 Leave = Callable[[asyncio.StreamWriter], Awaitable[None]]
 PACKAGE = "/api/packages/gcs/_ray_pkg_00112233445566778899.zip"
 

@@ -17,7 +17,6 @@ from typing import Any
 import aiohttp
 import pytest
 import ray
-from aiohttp.test_utils import TestClient
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.keys import JOB_MANAGER_KEY
@@ -26,14 +25,13 @@ from jobs_server.manager.job_manager import JobManager
 from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.store import JobStore
-from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.api import Client, job_logs, submit, wait_for_status
 from tests.support.managers import running_manager
 from tests.support.processes import free_port, stop_process_group
 from tests.support.queue import until_status
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
 
-Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 
 

@@ -16,16 +16,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment, detect_containment, launch_argv
-from tests.support.api import job_logs, submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, job_logs, submit, wait_for_status
 
 
 def unique_sleep() -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.disk_guard import (
@@ -27,12 +26,10 @@ from jobs_server.disk_guard import (
 from jobs_server.errors import InsufficientStorageError
 from jobs_server.manager.archive import archive_path
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
+from tests.support.api import Client, submit, wait_for_status
 from tests.support.disks import SMALL_DISK_BYTES, fill
 from tests.support.fakes import FakeJobManager
 from tests.support.openapi_contract import Contract
-
-Client = TestClient[Any, Any]
 
 MIN_FREE_BYTES = 4 * 1024 * 1024
 # What the filler file leaves free: below the threshold, above nothing.

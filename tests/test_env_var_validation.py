@@ -4,14 +4,10 @@ server, whose request parsing raised and took every job it had forked with it.""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from aiohttp.test_utils import TestClient
 
+from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
-
-Client = TestClient[Any, Any]
 
 
 @pytest.mark.parametrize(

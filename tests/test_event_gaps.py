@@ -10,20 +10,18 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager import event_feed as event_feed_module
 from jobs_server.manager.archive import Archive, archive_path
 from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobSpec, new_run_id
+from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
 from tests.support.sse import READ_TIMEOUT_S, SseReader, wait_subscribed
 
-Client = TestClient[Any, Any]
 KEPT_EVENTS = 20
 
 Item = JobEvent | FeedReset | None

@@ -11,7 +11,6 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.client.sse import Event
@@ -22,12 +21,10 @@ from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.routes import events as events_route
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
+from tests.support.api import Client, submit, wait_for_status
 from tests.support.fakes import FakeJobManager, InMemoryEventLog
 from tests.support.processes import poll_until
 from tests.support.sse import READ_TIMEOUT_S, SseReader, wait_subscribed
-
-Client = TestClient[Any, Any]
 
 
 def job_events(events: list[Event]) -> list[dict[str, Any]]:

@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
@@ -21,11 +20,10 @@ from jobs_server.manager import JobManager, JobRecord
 from jobs_server.manager.archive import archive_path
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
+from tests.support.api import Client, submit, wait_for_status
 from tests.support.disks import fill
 from tests.support.openapi_contract import Contract
 
-Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
 WAIT_S = 60.0
 

@@ -16,7 +16,6 @@ from typing import Any, cast
 import psutil
 import pytest
 import ray
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
@@ -24,12 +23,11 @@ from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager import job_manager as job_manager_module
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
-from tests.support.api import wait_for_status
+from tests.support.api import Client, wait_for_status
 from tests.support.managers import running_manager
 from tests.support.queue import TERMINAL, until_status
 from tests.support.ray_nodes import kill_actors_in_namespace
 
-Client = TestClient[Any, Any]
 WAIT_S = 90.0
 
 

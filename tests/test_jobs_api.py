@@ -5,17 +5,13 @@ from __future__ import annotations
 import asyncio
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import psutil
 import ray
 from aiohttp import WSMsgType
-from aiohttp.test_utils import TestClient
 
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, job_logs, submit, wait_for_status
 
 JOB_DETAILS_FIELDS = {
     "type",

@@ -11,15 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.records import JobRecord, JobStatus
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, submit, wait_for_status
 
 
 async def listed(client: Client, query: str) -> dict[str, str]:

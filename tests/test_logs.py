@@ -10,15 +10,12 @@ from typing import Any
 
 import pytest
 from aiohttp import ClientTimeout
-from aiohttp.test_utils import TestClient
 
 from jobs_server.client.sse import parse_events
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import complete_utf8_length, read_log_chunks
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, job_logs, submit, wait_for_status
 
 # 0..9 then a two-byte and a three-byte character, then a newline: 16 bytes.
 SAMPLE = "0123456789éह\n"

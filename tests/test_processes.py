@@ -17,16 +17,14 @@ import aiohttp
 import psutil
 import pytest
 import ray
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.api import Client, job_logs, submit, wait_for_status
 from tests.support.processes import free_port, host_pids, stop_process_group
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server
 
-Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
 
 

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from aiohttp.test_utils import TestClient
-
-from tests.support.api import submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, submit, wait_for_status
 
 
 async def ids(client: Client, query: str) -> list[str]:

@@ -14,18 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.errors import JobNotFoundError, QueueFullError
 from jobs_server.manager import JobRecord, JobStatus
 from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
+from tests.support.api import Client, submit, wait_for_status
 from tests.support.openapi_contract import Contract, Exchange
 from tests.support.queue import TERMINAL, WAIT_S, gate, queue_manager, spec, until_status
-
-Client = TestClient[Any, Any]
 
 
 @pytest.fixture

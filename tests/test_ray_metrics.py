@@ -6,19 +6,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from typing import Any
 
 import psutil
 import pytest
 import ray
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager import ray_metrics
 from jobs_server.manager.ray_metrics import RAY_METRICS_ENV_VAR
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, job_logs, submit, wait_for_status
 
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 

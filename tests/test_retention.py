@@ -8,10 +8,8 @@ import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.errors import JobNotFoundError
@@ -21,9 +19,7 @@ from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.retention import RETENTION_BATCH_JOBS, Retention, RetentionPolicy
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
-
-Client = TestClient[Any, Any]
+from tests.support.api import Client, submit, wait_for_status
 
 DAY_MS = 24 * 3600 * 1000
 

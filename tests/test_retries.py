@@ -13,15 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_log, wait_for_status
+from tests.support.api import Client, submit, wait_for_log, wait_for_status
 from tests.support.commands import counted
 
-Client = TestClient[Any, Any]
 MakeClient = Callable[..., Awaitable[Client]]
 
 SHORT_BACKOFF_S = 0.2

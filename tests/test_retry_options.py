@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.retries import (
     DEFAULT_RETRY_BACKOFF_S,
@@ -16,9 +15,8 @@ from jobs_server.manager.retries import (
     retry_backoff_s,
 )
 from jobs_server.settings import Settings
+from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
-
-Client = TestClient[Any, Any]
 
 
 @pytest.mark.parametrize(

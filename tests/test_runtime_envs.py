@@ -21,17 +21,15 @@ from typing import Any
 
 import boto3
 import pytest
-from aiohttp.test_utils import TestClient
 from ray.job_submission import JobStatus, JobSubmissionClient
 
 from jobs_server.app import create_app
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.api import Client, job_logs, submit, wait_for_status
 from tests.support.processes import free_port, wait_until
 from tests.support.ray_nodes import S3_CREDENTIALS
 
-Client = TestClient[Any, Any]
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 # Ray's agent retries a failed setup 3 times a second apart; the issue allows a minute.
 FAILURE_DEADLINE_S = 60

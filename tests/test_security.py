@@ -19,18 +19,16 @@ from typing import Any
 
 import pytest
 import requests
-from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
 from jobs_server.app import create_app
 from jobs_server.cli import _check_bind
 from jobs_server.settings import Settings
-from tests.support.api import submit
+from tests.support.api import Client, submit
 from tests.support.fakes import FakeJobManager
 from tests.support.processes import free_port, stop_process_group
 from tests.support.servers import self_signed_certificate, start_jobs_server, wait_for_server
 
-Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
 TOKEN = "s3cret-token-for-tests"

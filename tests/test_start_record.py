@@ -10,17 +10,14 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager import launcher
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_status
+from tests.support.api import Client, job_logs, submit, wait_for_status
 
-Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 # Far longer than any step of these tests: the start stays unwritten throughout.
 STRETCHED_DELAY_S = 120.0

@@ -16,7 +16,6 @@ from typing import Any
 
 import psutil
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.manager.containment import Containment
 from jobs_server.manager.early_stop import EarlyStop
@@ -28,10 +27,8 @@ from jobs_server.manager.process import (
     start_entrypoint,
 )
 from jobs_server.settings import Settings
-from tests.support.api import job_logs, submit, wait_for_log, wait_for_status
+from tests.support.api import Client, job_logs, submit, wait_for_log, wait_for_status
 from tests.support.commands import ESCAPED_SHELLS, MANY_THEN_FINISHES
-
-Client = TestClient[Any, Any]
 
 STOPPED_JOBS = 100
 NEVER_FINISHES = "sleep 60; echo finished"

@@ -15,7 +15,6 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import ClientTimeout, web
-from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
 from jobs_server.app import create_app
@@ -23,8 +22,6 @@ from jobs_server.client.sse import parse_events
 from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
 from tests.support.processes import poll_until
-
-Client = TestClient[Any, Any]
 
 # Enough that the server is still writing, held back by the client, when the client acts.
 BIG_LOG_BYTES = 30_000_000

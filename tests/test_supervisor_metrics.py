@@ -7,18 +7,15 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 import ray
-from aiohttp.test_utils import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
-from tests.support.api import submit, wait_for_status
+from tests.support.api import Client, submit, wait_for_status
 
-Client = TestClient[Any, Any]
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 ADMIN_KEY = "supervisor-metrics-admin-key"
 READ_KEY = "supervisor-metrics-read-key"

@@ -12,14 +12,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.support.api import submit
+from tests.support.api import Client, submit
 from tests.support.fakes import FakeJobManager
 
-Client = TestClient[Any, Any]
 AiohttpClient = Callable[..., Awaitable[Client]]
 
 # Every kind of route: the API, the page, the probes, a stream.

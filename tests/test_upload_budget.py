@@ -9,16 +9,13 @@ import time
 import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server.keys import UPLOAD_BUDGET_KEY
 from jobs_server.settings import Settings
+from tests.support.api import Client
 from tests.support.openapi_contract import Contract
-
-Client = TestClient[Any, Any]
 
 MAX_PACKAGE_BYTES = 1024 * 1024
 # Room for one largest package and a half.

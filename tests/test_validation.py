@@ -9,15 +9,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from jobs_server import app as app_module
 from jobs_server.app import create_app
 from jobs_server.settings import Settings
-from tests.support.api import submit
+from tests.support.api import Client, submit
 from tests.support.fakes import FakeJobManager
-
-Client = TestClient[Any, Any]
 
 
 async def test_an_app_with_a_backend_never_joins_ray(
