@@ -1,5 +1,7 @@
 # jobs-server against the Ray cluster that RAY_ADDRESS names (its GCS address, host:6379).
-# The image's Ray version (pinned in pyproject.toml) must match the cluster's. It listens on all
+# The image's Ray version must be the cluster's: by default the newest of the range that
+# pyproject.toml declares; for a cluster on an older release of it, build with
+# --build-arg RAY_VERSION=2.55.1 (a version outside the range fails the install). It listens on all
 # of the container's interfaces, so it starts only with a token: run it with
 # -e JOBS_SERVER_AUTH_TOKEN=... (or mount a file and set JOBS_SERVER_AUTH_TOKEN_FILE).
 FROM python:3.11-slim
@@ -20,7 +22,8 @@ RUN groupadd --system --gid 10001 jobs \
 WORKDIR /opt/jobs-server
 COPY pyproject.toml README.md openapi.yaml ./
 COPY jobs_server ./jobs_server
-RUN pip install --no-cache-dir .
+ARG RAY_VERSION=
+RUN pip install --no-cache-dir . ${RAY_VERSION:+"ray[default]==${RAY_VERSION}"}
 
 USER jobs
 EXPOSE 8266

@@ -47,3 +47,11 @@ def test_starts_the_server_listening_beyond_the_container() -> None:
 def test_copies_only_what_the_install_needs() -> None:
     copied = {source for instruction in _all("COPY") for source in instruction.value[:-1]}
     assert copied == {"pyproject.toml", "README.md", "openapi.yaml", "jobs_server"}
+
+
+def test_ray_version_is_a_build_argument() -> None:
+    """The image's Ray must be the cluster's: any release of the declared range, chosen at build."""
+    (argument,) = _all("ARG")
+    assert argument.value[0].startswith("RAY_VERSION")
+    (install,) = [run for run in _all("RUN") if "pip install" in " ".join(run.value)]
+    assert '"ray[default]==${RAY_VERSION}"' in " ".join(install.value)
