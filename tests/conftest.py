@@ -23,14 +23,13 @@ from jobs_server.settings import Settings
 from tests.support.api import Client
 from tests.support.disks import SMALL_DISK_BYTES
 from tests.support.fakes import FakeJobManager
-from tests.support.gcs import REDIS_SERVER, port_open
-from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.gcs import REDIS_SERVER
+from tests.support.processes import accepts_connections, free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import (
     RAY_BIN,
     RAY_NODE_IP,
     S3_CREDENTIALS,
     SUITE_CLUSTER_ADDRESSES,
-    gcs_is_up,
     isolate_environment,
     kill_actors_in_namespace,
 )
@@ -190,7 +189,7 @@ def ray_cluster(
     address = f"{RAY_NODE_IP}:{port}"
     SUITE_CLUSTER_ADDRESSES.add(address)
     try:
-        wait_until(lambda: gcs_is_up(RAY_NODE_IP, port), 60, "the Ray head node")
+        wait_until(lambda: accepts_connections(RAY_NODE_IP, port), 60, "the Ray head node")
         yield address
     finally:
         stop_process_group(process)
@@ -335,7 +334,7 @@ def redis_address() -> Iterator[str]:
         start_new_session=True,
     )
     try:
-        wait_until(lambda: port_open("127.0.0.1", port), 30, "redis-server")
+        wait_until(lambda: accepts_connections("127.0.0.1", port), 30, "redis-server")
         yield f"127.0.0.1:{port}"
     finally:
         stop_process_group(process)

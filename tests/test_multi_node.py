@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import uuid
@@ -25,7 +24,13 @@ import pytest
 from jobs_server.client.sse import parse_events
 from tests.support.api import TERMINAL_STATUSES, job_logs, submit, wait_for_status
 from tests.support.commands import counted
-from tests.support.processes import free_port, host_pids, stop_process_group, wait_until
+from tests.support.processes import (
+    accepts_connections,
+    free_port,
+    host_pids,
+    stop_process_group,
+    wait_until,
+)
 from tests.support.ray_nodes import RayNode, start_ray_node
 from tests.support.servers import start_jobs_server, wait_for_server
 
@@ -105,7 +110,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
     multi_node = MultiNodeCluster(f"{HEAD_IP}:{port}", tmp_dir)
     worker: RayNode | None = None
     try:
-        wait_until(lambda: _accepts(HEAD_IP, port), 60, "the head node")
+        wait_until(lambda: accepts_connections(HEAD_IP, port), 60, "the head node")
         worker = multi_node.add_worker(WORKER_IP, {WORKER_RESOURCE: WORKER_RESOURCE_AMOUNT})
         yield multi_node
     finally:
@@ -114,12 +119,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         stop_process_group(head.process, timeout_s=5)
         for temp_dir in multi_node.worker_temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _accepts(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 @dataclass(frozen=True)

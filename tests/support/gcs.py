@@ -20,19 +20,11 @@ from typing import Any
 import psutil
 import requests
 
-from tests.support.processes import free_port, wait_until
+from tests.support.processes import accepts_connections, free_port, wait_until
 from tests.support.ray_nodes import RAY_BIN, SUITE_CLUSTER_ADDRESSES
 from tests.support.servers import start_jobs_server, wait_for_server
 
 REDIS_SERVER = shutil.which("redis-server")
-
-
-def port_open(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 @dataclass
@@ -121,7 +113,7 @@ def head_node(redis_address: str | None) -> Iterator[HeadNode]:
     SUITE_CLUSTER_ADDRESSES.add(node.address)
     try:
         assert process.wait(180) == 0, "ray start failed"
-        wait_until(lambda: port_open(node_ip, port), 60, "the GCS")
+        wait_until(lambda: accepts_connections(node_ip, port), 60, "the GCS")
         yield node
     finally:
         node.stop()

@@ -20,6 +20,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def accepts_connections(host: str, port: int) -> bool:
+    """Whether something listens on the TCP port (a server, Ray's GCS, Redis)."""
+    with socket.socket() as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host, port)) == 0
+
+
 def stop_process_group(process: subprocess.Popen[Any], timeout_s: float = 20) -> None:
     """SIGTERM the process's group (it was started in its own session), then SIGKILL."""
     if process.poll() is not None:

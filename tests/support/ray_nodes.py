@@ -1,10 +1,10 @@
-"""Ray for the tests and benchmarks: where its nodes listen, its CLI, and ending a test's actors."""
+"""Ray for the tests and benchmarks: where its nodes listen, its CLI, a node started with `ray
+start`, the environment test clusters need, and ending a test's actors."""
 
 from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -49,12 +49,6 @@ def kill_actors_in_namespace(namespace: str) -> None:
         if actor["namespace"] == namespace:
             with contextlib.suppress(ValueError):
                 ray.kill(ray.get_actor(actor["name"], namespace=namespace))
-
-
-def gcs_is_up(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from typing import Any
 
 import requests
 
-from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.processes import accepts_connections, free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import RAY_BIN, RAY_NODE_IP
 from tests.support.servers import start_jobs_server, wait_for_server
 
@@ -131,18 +131,10 @@ class Cluster:
             start_new_session=True,
         )
         log.close()
-        wait_until(lambda: _port_open(RAY_NODE_IP, self.port), 60, "the Ray head node")
+        wait_until(lambda: accepts_connections(RAY_NODE_IP, self.port), 60, "the Ray head node")
 
     def stop(self) -> None:
         stop_process_group(self.process, timeout_s=60)
 
 
 JOB_TIMEOUT_S = 120
-
-
-def _port_open(host: str, port: int) -> bool:
-    import socket
-
-    with socket.socket() as sock:
-        sock.settimeout(0.5)
-        return sock.connect_ex((host, port)) == 0
