@@ -7,23 +7,6 @@ import os
 import sys
 from typing import Any
 
-
-async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, bytes, str]:
-    return await (await start_cli(*args, env=env)).finish()
-
-
-async def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> Cli:
-    environment = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
-    environment.pop("JOBS_SERVER_URL", None)
-    environment.pop("JOBS_SERVER_AUTH_TOKEN", None)
-    environment.update(env or {})
-    kwargs.setdefault("stdin", asyncio.subprocess.DEVNULL)
-    kwargs.setdefault("stdout", asyncio.subprocess.PIPE)
-    kwargs.setdefault("stderr", asyncio.subprocess.PIPE)
-    process = await asyncio.create_subprocess_exec(*CLIENT, *args, env=environment, **kwargs)
-    return Cli(process)
-
-
 CLIENT = [sys.executable, "-m", "jobs_server"]
 
 
@@ -51,3 +34,22 @@ class Cli:
         stdout, stderr = await asyncio.wait_for(self.process.communicate(), timeout_s)
         assert self.process.returncode is not None
         return self.process.returncode, self.stdout + (stdout or b""), (stderr or b"").decode()
+
+
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, bytes, str]:
+    """Run `jobs-server ARGS` to its end: its exit code, stdout and stderr."""
+    return await (await start_cli(*args, env=env)).finish()
+
+
+async def start_cli(*args: str, env: dict[str, str] | None = None, **kwargs: Any) -> Cli:
+    """Start `jobs-server ARGS` with this checkout on its path and no server or token of the
+    caller's environment (`env` may set them)."""
+    environment = {**os.environ, "PYTHONPATH": os.getcwd(), **(env or {})}
+    environment.pop("JOBS_SERVER_URL", None)
+    environment.pop("JOBS_SERVER_AUTH_TOKEN", None)
+    environment.update(env or {})
+    kwargs.setdefault("stdin", asyncio.subprocess.DEVNULL)
+    kwargs.setdefault("stdout", asyncio.subprocess.PIPE)
+    kwargs.setdefault("stderr", asyncio.subprocess.PIPE)
+    process = await asyncio.create_subprocess_exec(*CLIENT, *args, env=environment, **kwargs)
+    return Cli(process)
