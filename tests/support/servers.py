@@ -44,8 +44,13 @@ def start_jobs_server(
 ) -> subprocess.Popen[bytes]:
     """`python -m jobs_server serve ARGS` in a session of its own, its output appended to a file.
     Without a state dir of its own the server gets `<log_path's dir>/state`: a test never
-    touches the user's history (~/.local/state/jobs-server), nor another test's."""
-    if "--state-dir" not in args and "JOBS_SERVER_STATE_DIR" not in (env or os.environ):
+    touches the user's history (~/.local/state/jobs-server), nor another test's. The session's
+    JOBS_SERVER_STATE_DIR (conftest's net for servers started some other way), inherited in an
+    env copied from ours, is not a state dir of the test's own: servers of two tests on it
+    would share one history, and one lock."""
+    chosen = (os.environ if env is None else env).get("JOBS_SERVER_STATE_DIR")
+    inherited = os.environ.get("JOBS_SERVER_STATE_DIR")
+    if "--state-dir" not in args and chosen in (None, inherited):
         args = [*args, "--state-dir", str(log_path.parent / "state")]
     with log_path.open("ab") as log:
         return subprocess.Popen(
