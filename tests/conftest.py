@@ -67,6 +67,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.browser)
 
 
+@pytest.fixture
+def shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The node's shared /tmp (sticky, world-writable) as `tempfile` sees it: where every
+    supervisor of the user makes its ends directory and a worker's spool root."""
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))
+    return shared
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     """A real S3-compatible server (moto) on a loopback port, in a thread of this process."""

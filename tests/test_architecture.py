@@ -11,7 +11,8 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "jobs_server"
 
 
-def imported_modules(path: Path) -> set[str]:
+def imported_modules(path: Path, *, with_names: bool = False) -> set[str]:
+    """Every module `path` imports; `with_names`: `from a import b` counts as `a.b` too."""
     tree = ast.parse(path.read_text(), filename=str(path))
     modules: set[str] = set()
     for node in ast.walk(tree):
@@ -19,6 +20,8 @@ def imported_modules(path: Path) -> set[str]:
             modules.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             modules.add(node.module)
+            if with_names:
+                modules.update(f"{node.module}.{alias.name}" for alias in node.names)
     return modules
 
 
@@ -86,19 +89,6 @@ TESTS = PACKAGE.parent / "tests"
 BENCHMARKS = PACKAGE.parent / "benchmarks"
 
 
-def _named_modules(path: Path) -> set[str]:
-    """Every module `path` imports, with `from a import b` counted as `a.b` as well as `a`."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    modules: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            modules.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            modules.add(node.module)
-            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return modules
-
-
 def _is_test_module(module: str) -> bool:
     parts = module.split(".")
     return parts[0] == "tests" and len(parts) > 1 and parts[1].startswith(("test_", "conftest"))
@@ -118,7 +108,7 @@ def test_tests_and_benchmarks_share_only_tests_support() -> None:
         found = sorted(
             {
                 ".".join(module.split(".")[:2])
-                for module in _named_modules(path)
+                for module in imported_modules(path, with_names=True)
                 if _is_test_module(module) or (in_benchmarks and _is_tests_but_not_support(module))
             }
         )
@@ -132,7 +122,9 @@ def test_the_shared_import_checker_sees_test_modules(tmp_path: Path) -> None:
     sample.write_text(
         "from tests import conftest\nimport tests.test_logs\nfrom tests.support import x\n"
     )
-    assert {module for module in _named_modules(sample) if _is_test_module(module)} == {
+    assert {
+        module for module in imported_modules(sample, with_names=True) if _is_test_module(module)
+    } == {
         "tests.conftest",
         "tests.test_logs",
     }

@@ -48,16 +48,6 @@ asyncio.run(main())
 """
 
 
-@pytest.fixture
-def temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The node's temp dir, where every supervisor of the user makes its ends directory."""
-    shared = tmp_path / "tmp"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    return shared
-
-
 def ends_dirs(parent: Path) -> list[Path]:
     return sorted(path for path in parent.iterdir() if path.name.startswith(ENDS_PREFIX))
 
@@ -65,11 +55,11 @@ def ends_dirs(parent: Path) -> list[Path]:
 class Owner:
     """Another supervisor of this user: a process with a started fork server."""
 
-    def __init__(self, temp_dir: Path, token: str, *, guardian: bool) -> None:
+    def __init__(self, shared_tmp: Path, token: str, *, guardian: bool) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-c", OWNER_SCRIPT, token, "guardian" if guardian else "alone"],
             stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(temp_dir)},
+            env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(shared_tmp)},
         )
         assert self.process.stdout is not None
         ends_dir, zygote = self.process.stdout.readline().split()
@@ -83,7 +73,7 @@ class Owner:
 
 
 @pytest.fixture
-def owners(temp_dir: Path) -> Iterator[list[Owner]]:
+def owners(shared_tmp: Path) -> Iterator[list[Owner]]:
     started: list[Owner] = []
     yield started
     for owner in started:
@@ -93,12 +83,12 @@ def owners(temp_dir: Path) -> Iterator[list[Owner]]:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a PID namespace needs CAP_SYS_ADMIN")
 async def test_a_closed_fork_server_leaves_no_ends_directory(
-    temp_dir: Path, tmp_path: Path
+    shared_tmp: Path, tmp_path: Path
 ) -> None:
     """Closed with an init's end file not yet read (its job ended by a signal, not reaped
     yet): the directory goes with the file (before: rmdir failed and it stayed)."""
     async with subreaper_fork_server() as forks:
-        (ends_dir,) = ends_dirs(temp_dir)
+        (ends_dir,) = ends_dirs(shared_tmp)
         process = await forks.spawn(
             "kill -KILL $$",
             log_path=tmp_path / "job.log",
@@ -112,32 +102,32 @@ async def test_a_closed_fork_server_leaves_no_ends_directory(
         )
         assert os.listdir(ends_dir) != []
         forks.close()
-        assert ends_dirs(temp_dir) == []
+        assert ends_dirs(shared_tmp) == []
         assert await process.wait() == 128 + signal.SIGKILL
 
 
 async def test_an_ends_directory_left_by_a_killed_supervisor_is_swept_at_the_next_start(
-    temp_dir: Path, owners: list[Owner]
+    shared_tmp: Path, owners: list[Owner]
 ) -> None:
     """A supervisor killed with its guardian (the node's crash: nothing of it cleans up)
     leaves its directory, with an end file nobody will read; the next fork server of this
     user to start removes it (before: it stayed, one per supervisor, for ever)."""
-    owners.append(Owner(temp_dir, "ends-killed", guardian=False))
+    owners.append(Owner(shared_tmp, "ends-killed", guardian=False))
     dead = owners[-1]
     (dead.ends_dir / "7").write_bytes(b"9 stopped")
     dead.kill()
     assert dead.ends_dir.exists()
     async with subreaper_fork_server() as forks:
-        assert ends_dirs(temp_dir) == [Path(forks._ends_dir or "")]
+        assert ends_dirs(shared_tmp) == [Path(forks._ends_dir or "")]
 
 
 async def test_a_supervisors_guardian_removes_its_ends_directory_when_it_dies(
-    temp_dir: Path, owners: list[Owner]
+    shared_tmp: Path, owners: list[Owner]
 ) -> None:
     """A supervisor killed alone (`ray.kill`, kill -9: its fork server's close never runs):
     its guardian removes the directory as it kills its jobs, without waiting for another start
     (before: it stayed)."""
-    owners.append(Owner(temp_dir, "ends-guarded", guardian=True))
+    owners.append(Owner(shared_tmp, "ends-guarded", guardian=True))
     owner = owners[-1]
     (owner.ends_dir / "3").write_bytes(b"15")
     owner.kill()
@@ -145,44 +135,44 @@ async def test_a_supervisors_guardian_removes_its_ends_directory_when_it_dies(
 
 
 async def test_a_live_fork_servers_ends_directory_is_never_swept(
-    temp_dir: Path, owners: list[Owner]
+    shared_tmp: Path, owners: list[Owner]
 ) -> None:
     """Other supervisors run (another process; another fork server of this one): starting a
     fork server leaves their directories and the files in them."""
-    owners.append(Owner(temp_dir, "ends-live", guardian=False))
+    owners.append(Owner(shared_tmp, "ends-live", guardian=False))
     live = owners[-1]
     (live.ends_dir / "1").write_bytes(b"9")
     async with subreaper_fork_server() as first, subreaper_fork_server() as second:
         assert live.ends_dir.exists()
         assert (live.ends_dir / "1").read_bytes() == b"9"
-        assert ends_dirs(temp_dir) == sorted(
+        assert ends_dirs(shared_tmp) == sorted(
             [live.ends_dir, Path(first._ends_dir or ""), Path(second._ends_dir or "")]
         )
-    assert ends_dirs(temp_dir) == [live.ends_dir]
+    assert ends_dirs(shared_tmp) == [live.ends_dir]
     assert is_alive(live.zygote)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="another user's directory needs root")
-async def test_a_sweep_leaves_what_is_not_this_users_own_directory(temp_dir: Path) -> None:
+async def test_a_sweep_leaves_what_is_not_this_users_own_directory(shared_tmp: Path) -> None:
     """An ends-like name another user made, or a symlink of that name, is left alone (and
     nothing behind the symlink is removed)."""
-    foreign = temp_dir / f"{ENDS_PREFIX}foreign"
+    foreign = shared_tmp / f"{ENDS_PREFIX}foreign"
     foreign.mkdir()
     (foreign / "1").write_bytes(b"theirs")
     os.chown(foreign, 65534, 65534)
-    target = temp_dir.parent / "target"
+    target = shared_tmp.parent / "target"
     target.mkdir()
     (target / "kept").write_bytes(b"kept")
-    (temp_dir / f"{ENDS_PREFIX}link").symlink_to(target, target_is_directory=True)
+    (shared_tmp / f"{ENDS_PREFIX}link").symlink_to(target, target_is_directory=True)
     async with subreaper_fork_server():
         pass
     assert (foreign / "1").read_bytes() == b"theirs"
     assert (target / "kept").read_bytes() == b"kept"
-    assert (temp_dir / f"{ENDS_PREFIX}link").is_symlink()
+    assert (shared_tmp / f"{ENDS_PREFIX}link").is_symlink()
 
 
 async def test_a_live_fork_server_of_a_version_without_the_lock_keeps_its_directory(
-    temp_dir: Path,
+    shared_tmp: Path,
 ) -> None:
     """A version before the lock made its directory with `mkdtemp` and holds no lock: while a
     process was started with it among its arguments (its fork server), a start leaves it;
@@ -199,4 +189,4 @@ async def test_a_live_fork_server_of_a_version_without_the_lock_keeps_its_direct
         fork_server.kill()
         await fork_server.wait()
     async with subreaper_fork_server() as forks:
-        assert ends_dirs(temp_dir) == [Path(forks._ends_dir or "")]
+        assert ends_dirs(shared_tmp) == [Path(forks._ends_dir or "")]

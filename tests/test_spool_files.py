@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import stat
-import tempfile
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -29,16 +28,6 @@ ATTACKER_UID = 65534  # nobody
 NAMESPACE = "tenant_ns"
 LOG_NAME = "job-driver-raysubmit_x.log"
 VICTIM_TEXT = "the server user's precious file\n"
-
-
-@pytest.fixture
-def shared_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """The node's shared /tmp, as `tempfile` sees it."""
-    shared = tmp_path / "tmp"
-    shared.mkdir()
-    shared.chmod(0o1777)
-    monkeypatch.setattr(tempfile, "tempdir", str(shared))
-    return shared
 
 
 @pytest.fixture(params=["launcher", "fork-server"])
