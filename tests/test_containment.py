@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager.containment import Containment, detect_containment, launch_argv
+from jobs_server.manager.supervisor.containment import Containment, detect_containment, launch_argv
 from tests.support.api import Client, job_logs, submit, wait_for_status
 
 
@@ -169,7 +169,7 @@ def test_a_host_that_forbids_namespaces_falls_back_to_the_marker() -> None:
             "--bounding-set=-sys_admin",
             sys.executable,
             "-c",
-            "from jobs_server.manager.containment import detect_containment;"
+            "from jobs_server.manager.supervisor.containment import detect_containment;"
             "print(detect_containment())",
         ],
         capture_output=True,

@@ -15,9 +15,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.fork_server import ForkedProcess, ForkServer
-from jobs_server.manager.process import (
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.fork_server import ForkedProcess, ForkServer
+from jobs_server.manager.supervisor.process import (
     _namespace_pid,
     command_has_ended,
     find_job_processes,

@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager.containment import Containment
+from jobs_server.manager.supervisor.containment import Containment
 from tests.support.fork_servers import REPO, is_alive, poll_until, subreaper_fork_server, wait_until
 
 ENDS_PREFIX = "jobs-server-ends-"
@@ -29,8 +29,8 @@ ENDS_PREFIX = "jobs-server-ends-"
 # prepares its processes: supervisor.py), then idle; it prints its ends directory and fork server.
 OWNER_SCRIPT = r"""
 import asyncio, sys, time
-from jobs_server.manager import guardian as guardians
-from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.supervisor import guardian as guardians
+from jobs_server.manager.supervisor.fork_server import ForkServer
 
 async def main():
     token = sys.argv[1]

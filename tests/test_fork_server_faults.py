@@ -16,10 +16,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.early_stop import EarlyStop
-from jobs_server.manager.fork_server import ForkedProcess, ForkServer, ForkServerDiedError
-from jobs_server.manager.process import kill_job_processes, signal_job_processes
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.early_stop import EarlyStop
+from jobs_server.manager.supervisor.fork_server import (
+    ForkedProcess,
+    ForkServer,
+    ForkServerDiedError,
+)
+from jobs_server.manager.supervisor.process import kill_job_processes, signal_job_processes
 from tests.support.fork_servers import (
     CONTAINMENTS,
     REPO,
@@ -166,11 +170,11 @@ async def test_a_stop_reaches_a_starting_command_before_its_start_is_reported(
 SUPERVISOR_SCRIPT = """
 import asyncio, os, subprocess, sys, time
 from pathlib import Path
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.early_stop import EarlyStop
-from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
-from jobs_server.manager.process import become_child_subreaper
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.early_stop import EarlyStop
+from jobs_server.manager.supervisor.fork_server import ForkServer
+from jobs_server.manager.supervisor.guardian import SUPERVISOR_TOKEN_ENV_VAR, start_guardian
+from jobs_server.manager.supervisor.process import become_child_subreaper
 
 async def main():
     token = sys.argv[4]

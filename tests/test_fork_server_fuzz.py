@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs_server.manager.containment import Containment
+from jobs_server.manager.supervisor.containment import Containment
 from tests.support.fork_servers import is_alive, job_env, subreaper_fork_server
 
 _NO_EQUALS = b"7\0marker\0/bin/sh\0/tmp/x\0true\0NOEQUALS"

@@ -21,7 +21,7 @@ from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager import job_manager as job_manager_module
-from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.support.api import Client, wait_for_status
 from tests.support.managers import running_manager

@@ -16,7 +16,7 @@ from aiohttp.test_utils import TestClient
 from ray._private.ray_constants import RAY_WORKER_NICENESS
 
 from jobs_server.app import create_app
-from jobs_server.manager.containment import Containment
+from jobs_server.manager.supervisor.containment import Containment
 from jobs_server.settings import DEFAULT_JOBS_NICE, Settings
 from tests.support.api import job_logs, submit, wait_for_status
 from tests.support.fork_servers import CONTAINMENTS, job_env, subreaper_fork_server

@@ -17,7 +17,7 @@ import pytest
 
 from jobs_server.errors import JobNotFoundError, QueueFullError
 from jobs_server.manager import JobRecord, JobStatus
-from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
+from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status

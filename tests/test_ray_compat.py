@@ -26,9 +26,9 @@ from ray._private.runtime_env.utils import SubprocessCalledProcessError
 from ray._raylet import GcsClient  # type: ignore[attr-defined]
 from ray.job_submission import JobStatus, JobSubmissionClient
 
-from jobs_server.manager.drivers import RayDrivers
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
+from jobs_server.manager.supervisor.drivers import RayDrivers
 from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import RAY_BIN
 from tests.support.servers import start_jobs_server, wait_for_server

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs_server.manager.command_start import start_entrypoint
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.log_shipping import spool_path
+from jobs_server.manager.supervisor.command_start import start_entrypoint
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.fork_server import ForkServer
+from jobs_server.manager.supervisor.log_shipping import spool_path
 from tests.support.fork_servers import subreaper_fork_server
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="another user's files need root")

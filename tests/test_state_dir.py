@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from jobs_server.manager.log_shipping import pull_spooled_log
+from jobs_server.manager.supervisor.log_shipping import pull_spooled_log
 from tests.support.api import TERMINAL_STATUSES
 from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import kill_actors_in_namespace

@@ -17,10 +17,10 @@ from typing import Any
 import psutil
 import pytest
 
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.early_stop import EarlyStop
-from jobs_server.manager.job_run import SUBMISSION_ID_ENV_VAR
-from jobs_server.manager.process import (
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.early_stop import EarlyStop
+from jobs_server.manager.supervisor.job_run import SUBMISSION_ID_ENV_VAR
+from jobs_server.manager.supervisor.process import (
     find_job_processes,
     kill_job_processes,
     signal_job_processes,

@@ -6,7 +6,6 @@ from jobs_server.manager.dashboard_registration import (
     DashboardRegistration,
     registration_address,
 )
-from jobs_server.manager.drivers import RayDriver, RayDrivers
 from jobs_server.manager.job_manager import JobManager, JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.packages import PackageStore, package_uri
@@ -21,6 +20,7 @@ from jobs_server.manager.ray_cluster import (
 )
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.submission_ids import new_submission_id
+from jobs_server.manager.supervisor.drivers import RayDriver, RayDrivers
 
 __all__ = [
     "Archive",

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs_server.manager.job_run import SupervisedJob
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.run_batches import RunBatches
 from jobs_server.manager.runtime_envs import runtime_env_for_ray
+from jobs_server.manager.supervisor.job_run import SupervisedJob
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 from jobs_server.manager.tenancy import NO_LIMITS, RunAs, TenantLimits
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from jobs_server.manager.run_reports import STARTED
+from jobs_server.manager.supervisor.run_reports import STARTED
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S, while_unreachable
 
 logger = logging.getLogger(__name__)

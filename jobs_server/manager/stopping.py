@@ -20,9 +20,9 @@ from jobs_server.manager.deferred_ends import DeferredEnds
 from jobs_server.manager.dispatcher import Dispatcher
 from jobs_server.manager.history import JobHistory
 from jobs_server.manager.job_queue import JobQueue
-from jobs_server.manager.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 from jobs_server.manager.watcher import JobWatchers

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from jobs_server.manager.ray_metrics import SUPERVISOR_ENV_VARS
 from jobs_server.manager.records import JobSpec
-from jobs_server.manager.supervisor import JobSupervisor
+from jobs_server.manager.supervisor.actor import JobSupervisor
 from jobs_server.manager.supervisor_calls import first_line
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,14 @@ SHARED_MAX_CONCURRENCY = 100_000
 
 
 def _code_fingerprint() -> str:
-    """A digest of the manager's code: a server never hands jobs to a warm supervisor that an
-    older version of it created (the actor's code was fixed when it was created)."""
+    """A digest of the server's code: a server never hands jobs to a warm supervisor that an
+    older version of it created (the actor's code was fixed when it was created). Every module
+    of the package counts, in every subpackage: the supervisor's code is pickled by value from
+    wherever it lives, so a module that moves changes the digest too."""
     digest = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
+    package = Path(__file__).resolve().parent.parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 

@@ -14,12 +14,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jobs_server.manager.containment import SHELL, Containment
-from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.job_run import JobRun
-from jobs_server.manager.process import become_child_subreaper
 from jobs_server.manager.records import RayDriver
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor.containment import SHELL, Containment
+from jobs_server.manager.supervisor.fork_server import ForkServer
+from jobs_server.manager.supervisor.job_run import JobRun
+from jobs_server.manager.supervisor.process import become_child_subreaper
 
 CONTAINMENTS = [
     pytest.param(

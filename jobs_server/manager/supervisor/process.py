@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from jobs_server.manager.command_start import CommandProcess
+from jobs_server.manager.supervisor.command_start import CommandProcess
 
 # Where callers (tests among them) have always found it.
-from jobs_server.manager.command_start import start_entrypoint as start_entrypoint
-from jobs_server.manager.containment import COMMAND_NAMESPACE_PID, Containment
+from jobs_server.manager.supervisor.command_start import start_entrypoint as start_entrypoint
+from jobs_server.manager.supervisor.containment import COMMAND_NAMESPACE_PID, Containment
 
 logger = logging.getLogger(__name__)
 

@@ -20,28 +20,7 @@ from typing import Any, Protocol
 import ray
 
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.command_start import CommandProcess, start_entrypoint
-from jobs_server.manager.containment import Containment
-from jobs_server.manager.early_stop import EarlyStop
-from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.job_run import (
-    JOB_TIMEOUT_ERROR_TYPE,
-    NEVER_STARTED_MESSAGE,
-    CommandEnd,
-    JobRun,
-    driver_env,
-    end_grace_within,
-    failure_message,
-)
-from jobs_server.manager.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.logs import log_size, read_log_tail
-from jobs_server.manager.process import (
-    command_has_ended,
-    ended_before_the_stop,
-    ended_with_its_namespace,
-    kill_job_processes,
-    stop_job_processes,
-)
 from jobs_server.manager.records import (
     JobAttempt,
     JobErrorType,
@@ -58,6 +37,27 @@ from jobs_server.manager.retries import (
     why_not_retried,
 )
 from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor.command_start import CommandProcess, start_entrypoint
+from jobs_server.manager.supervisor.containment import Containment
+from jobs_server.manager.supervisor.early_stop import EarlyStop
+from jobs_server.manager.supervisor.fork_server import ForkServer
+from jobs_server.manager.supervisor.job_run import (
+    JOB_TIMEOUT_ERROR_TYPE,
+    NEVER_STARTED_MESSAGE,
+    CommandEnd,
+    JobRun,
+    driver_env,
+    end_grace_within,
+    failure_message,
+)
+from jobs_server.manager.supervisor.log_shipping import LOG_DRAIN_TIMEOUT_S
+from jobs_server.manager.supervisor.process import (
+    command_has_ended,
+    ended_before_the_stop,
+    ended_with_its_namespace,
+    kill_job_processes,
+    stop_job_processes,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO, Protocol, overload
 
-from jobs_server.manager.containment import SHELL, Containment, launch_argv
-from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
-from jobs_server.manager.fork_server import ForkServer
+from jobs_server.manager.supervisor.containment import SHELL, Containment, launch_argv
+from jobs_server.manager.supervisor.early_stop import EarlyStop, until_started_or_stopped
+from jobs_server.manager.supervisor.fork_server import ForkServer
 from jobs_server.manager.tenancy import RunAs
 
 # Changes user, groups first, then execs: util-linux's, at its absolute path (a job's PATH is

@@ -27,10 +27,10 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from jobs_server.manager.containment import SHELL, Containment
-from jobs_server.manager.early_stop import EarlyStop, until_started_or_stopped
-from jobs_server.manager.guardian import SUPERVISOR_TOKEN_ENV_VAR
-from jobs_server.manager.zygote import ZYGOTE_SOURCE
+from jobs_server.manager.supervisor.containment import SHELL, Containment
+from jobs_server.manager.supervisor.early_stop import EarlyStop, until_started_or_stopped
+from jobs_server.manager.supervisor.guardian import SUPERVISOR_TOKEN_ENV_VAR
+from jobs_server.manager.supervisor.zygote import ZYGOTE_SOURCE
 
 logger = logging.getLogger(__name__)
 

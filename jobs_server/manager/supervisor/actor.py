@@ -25,29 +25,29 @@ from typing import Any
 
 import ray
 
-from jobs_server.manager.attempts import JobAttempts
-from jobs_server.manager.containment import Containment, detect_containment
-from jobs_server.manager.drivers import RayDrivers
-from jobs_server.manager.fork_server import ForkServer
-from jobs_server.manager.guardian import remove_when_supervisor_dies, start_guardian
-from jobs_server.manager.job_run import (
+from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
+from jobs_server.manager.records import JobRecord, JobStatus, RayDriver
+from jobs_server.manager.store import JobStore
+from jobs_server.manager.supervisor.attempts import JobAttempts
+from jobs_server.manager.supervisor.containment import Containment, detect_containment
+from jobs_server.manager.supervisor.drivers import RayDrivers
+from jobs_server.manager.supervisor.fork_server import ForkServer
+from jobs_server.manager.supervisor.guardian import remove_when_supervisor_dies, start_guardian
+from jobs_server.manager.supervisor.job_run import (
     NEVER_STARTED_MESSAGE,
     JobRun,
     SupervisedJob,
     end_grace_within,
 )
-from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
-from jobs_server.manager.log_shipping import read_spool_chunk, spool_path
-from jobs_server.manager.process import become_child_subreaper, reap_orphans
-from jobs_server.manager.records import JobRecord, JobStatus, RayDriver
-from jobs_server.manager.run_reports import (
+from jobs_server.manager.supervisor.log_shipping import read_spool_chunk, spool_path
+from jobs_server.manager.supervisor.process import become_child_subreaper, reap_orphans
+from jobs_server.manager.supervisor.run_reports import (
     ENDED,
     STARTED,
     RunFailedError,
     RunReport,
     RunReports,
 )
-from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
 

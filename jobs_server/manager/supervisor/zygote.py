@@ -39,7 +39,7 @@ whose environment is its own): the guardian kills them all if the supervisor die
 
 from __future__ import annotations
 
-from jobs_server.manager.containment import LAUNCH_SOURCE
+from jobs_server.manager.supervisor.containment import LAUNCH_SOURCE
 
 ZYGOTE_SOURCE = (
     LAUNCH_SOURCE
