@@ -56,7 +56,7 @@ from benchmarks.report import (
 from benchmarks.run import LISTED_JOBS, measure_one, settle, warm_up
 from benchmarks.scenarios import ListWithJobs, RunContext
 from benchmarks.stats import PeakRssGrowth, percentile, summed_rss_bytes
-from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 
 logger = logging.getLogger("benchmarks.history")

@@ -18,7 +18,7 @@ import ray
 from aiohttp import ClientSession
 
 from jobs_server.app import create_app
-from jobs_server.manager.archive import Archive, archive_path
+from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.settings import Settings
 from tests.support.api import Client
 from tests.support.disks import SMALL_DISK_BYTES

@@ -12,14 +12,14 @@ from typing import Any
 import pytest
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import (
+from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.archive.sqlite import (
     _MIGRATIONS,
     Archive,
     JobQuery,
     UnknownCursorError,
     archive_path,
 )
-from jobs_server.manager.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 
 
@@ -150,7 +150,7 @@ async def test_queries_filter_order_and_page(archive: Archive) -> None:
 
 
 async def test_the_stream_reads_every_job_in_batches(archive: Archive) -> None:
-    from jobs_server.manager import archive as archive_module
+    from jobs_server.manager.archive import sqlite as archive_module
 
     count = archive_module.STREAM_BATCH_ROWS * 2 + 3
     for index in range(count):
@@ -231,7 +231,7 @@ async def test_a_slow_read_delays_no_write(
 ) -> None:
     """A list that takes long (a big page, a cold disk) must not hold up submits: reads have a
     connection and a thread of their own. The read here is held until the writes are done."""
-    from jobs_server.manager import archive_queries
+    from jobs_server.manager.archive import queries as archive_queries
 
     await archive.insert(record("before"))
     read_began, release_read = threading.Event(), threading.Event()

@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.attempts import STOPPED_MESSAGE, JobAttempts
 from jobs_server.manager.supervisor.job_run import JobRun, SupervisedJob
 from tests.support.fork_servers import Host, subreaper_fork_server, wait_until

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from jobs_server.manager import cluster_resources
-from jobs_server.manager.cluster_resources import ClusterResources, ResourceSnapshot, describe_wait
+from jobs_server.manager.cluster import resources as cluster_resources
+from jobs_server.manager.cluster.resources import ClusterResources, ResourceSnapshot, describe_wait
 
 GIB = 2**30
 # Two nodes: only the second has a GPU; 3 of 6 CPUs and 1 of 2 GPUs are in use.

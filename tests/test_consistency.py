@@ -20,11 +20,11 @@ import ray
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.keys import JOB_MANAGER_KEY
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.job_manager import JobManager
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
-from jobs_server.manager.store import JobStore
 from tests.support.api import Client, job_logs, submit, wait_for_status
 from tests.support.managers import running_manager
 from tests.support.processes import free_port, stop_process_group
@@ -196,7 +196,7 @@ def _dedicated_name(namespace: str, job_id: str) -> str:
 
 @pytest.fixture
 def fast_watch_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    from jobs_server.manager import run_outcomes
+    from jobs_server.manager.live import run_outcomes
 
     monkeypatch.setattr(run_outcomes, "WATCH_RETRY_INITIAL_S", 0.05)
     monkeypatch.setattr(run_outcomes, "WATCH_RETRY_MAX_S", 0.2)

@@ -23,7 +23,7 @@ from jobs_server.disk_guard import (
     storage_errors_refused,
 )
 from jobs_server.errors import InsufficientStorageError
-from jobs_server.manager.archive import archive_path
+from jobs_server.manager.archive.sqlite import archive_path
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 from tests.support.disks import SMALL_DISK_BYTES, fill

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from jobs_server.manager import event_feed as event_feed_module
-from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.archive import event_feed as event_feed_module
+from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, new_run_id
 from tests.support.api import Client
 from tests.support.fakes import FakeJobManager

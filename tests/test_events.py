@@ -15,10 +15,10 @@ import pytest
 from jobs_server.app import create_app
 from jobs_server.client.sse import Event
 from jobs_server.keys import JOB_MANAGER_KEY, SHUTTING_DOWN_KEY
-from jobs_server.manager import event_feed as event_feed_module
-from jobs_server.manager.archive import Archive
-from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.archive import event_feed as event_feed_module
+from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.archive.sqlite import Archive
 from jobs_server.routes import events as events_route
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status

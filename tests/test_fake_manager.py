@@ -19,8 +19,8 @@ from jobs_server.errors import (
     JobNotTerminalError,
 )
 from jobs_server.manager import JobManager, JobManagerApi, JobRecord, JobSpec, JobStatus
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
-from jobs_server.manager.event_feed import EventFeed
+from jobs_server.manager.archive.event_feed import EventFeed
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from tests.support.fakes import FakeJobManager
 from tests.support.ray_nodes import kill_actors_in_namespace
 

@@ -17,7 +17,7 @@ import pytest
 from jobs_server.app import create_app
 from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager import JobManager, JobRecord
-from jobs_server.manager.archive import archive_path
+from jobs_server.manager.archive.sqlite import archive_path
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE, CLUSTER_LOST_EXIT_S
+from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE, CLUSTER_LOST_EXIT_S
 from tests.support.gcs import (
     assert_unavailable,
     head_node,

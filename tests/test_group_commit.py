@@ -1,6 +1,6 @@
-"""Group commit (jobs_server/manager/group_commit.py) through the archive, on a real file: writes
-made at once share transactions, each answered once committed; a failing write fails alone; rows
-and events keep the order of the calls; what was answered is on disk for the next reader."""
+"""Group commit (jobs_server/manager/archive/group_commit.py) through the archive, on a real file:
+writes made at once share transactions, each answered once committed; a failing write fails alone;
+rows and events keep the order of the calls; what was answered is on disk for the next reader."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
-from jobs_server.manager.events import JobEvent
+from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 
 

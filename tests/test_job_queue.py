@@ -1,6 +1,6 @@
-"""The queue's rules as plain logic (jobs_server/manager/job_queue.py): caps, the order (tenants
-take turns, priority then arrival within a tenant), places, refusals and Retry-After. The same
-rules on a real manager and real Ray are in tests/test_queue.py."""
+"""The queue's rules as plain logic (jobs_server/manager/queue/admission.py): caps, the order
+(tenants take turns, priority then arrival within a tenant), places, refusals and Retry-After. The
+same rules on a real manager and real Ray are in tests/test_queue.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import pytest
 
 from jobs_server.errors import QueueFullError
-from jobs_server.manager.job_queue import (
+from jobs_server.manager.queue.admission import (
     RETRY_AFTER_DEFAULT_S,
     RETRY_AFTER_MAX_S,
     Admission,

@@ -11,8 +11,8 @@ import psutil
 import pytest
 import ray
 
-from jobs_server.manager import ray_metrics
-from jobs_server.manager.ray_metrics import RAY_METRICS_ENV_VAR
+from jobs_server.manager.cluster import ray_metrics
+from jobs_server.manager.cluster.ray_metrics import RAY_METRICS_ENV_VAR
 from jobs_server.settings import Settings
 from tests.support.api import Client, job_logs, submit, wait_for_status
 
@@ -58,7 +58,7 @@ def test_the_server_joins_a_cluster_with_its_own_metrics_off(ray_connection: str
     """Ray reads the setting when `ray.init` starts the server's core worker."""
     script = (
         "import os\n"
-        "from jobs_server.manager.ray_cluster import connect_to_ray\n"
+        "from jobs_server.manager.cluster.ray_cluster import connect_to_ray\n"
         f"connect_to_ray({ray_connection!r}, embedded_node_ip='127.0.0.2')\n"
         f"print(os.environ.get({RAY_METRICS_ENV_VAR!r}))\n"
     )

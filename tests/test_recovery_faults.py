@@ -17,10 +17,10 @@ import pytest
 
 from jobs_server.errors import ClusterUnavailableError, JobNotFoundError
 from jobs_server.manager import JobRecord, JobSpec, JobStatus
-from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.archive.sqlite import Archive, archive_path
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobErrorType, new_run_id, now_ms
-from jobs_server.manager.store import JobStore
 from tests.support.managers import running_manager
 from tests.support.ray_nodes import kill_actors_in_namespace
 

@@ -13,11 +13,11 @@ import pytest
 
 from jobs_server.app import create_app
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.archive.retention import RETENTION_BATCH_JOBS, Retention, RetentionPolicy
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
+from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
-from jobs_server.manager.retention import RETENTION_BATCH_JOBS, Retention, RetentionPolicy
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from jobs_server.manager.retries import (
+from jobs_server.manager.queue.retries import (
     DEFAULT_RETRY_BACKOFF_S,
     MAX_RETRY_BACKOFF_S,
     retry_backoff_s,

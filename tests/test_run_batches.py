@@ -12,12 +12,12 @@ import pytest
 from ray.exceptions import ActorUnavailableError
 
 from jobs_server.manager import run_batches
-from jobs_server.manager.archive import Archive
-from jobs_server.manager.events import JobEventType
+from jobs_server.manager.archive.events import JobEventType
+from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.records import JobSpec, JobStatus
 from jobs_server.manager.submission_ids import new_submission_id
 from jobs_server.manager.supervisor.run_reports import ENDED, STARTED, RunReports
-from jobs_server.manager.watcher import JobWatchers
 from tests.support.managers import running_manager
 
 

@@ -19,16 +19,16 @@ import pytest
 import ray
 
 from jobs_server.manager import JobSpec, JobStatus
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobErrorType, JobRecord, new_run_id, now_ms
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.attempts import JobAttempts
 from jobs_server.manager.supervisor.command_start import CommandProcess
 from jobs_server.manager.supervisor.containment import Containment
 from jobs_server.manager.supervisor.fork_server import ForkServer
 from jobs_server.manager.supervisor.job_run import JobRun, SupervisedJob
-from jobs_server.manager.watcher import JobWatchers
 from tests.support.fork_servers import CONTAINMENTS, Host, subreaper_fork_server, wait_until
 from tests.support.managers import running_manager
 from tests.support.ray_nodes import kill_actors_in_namespace

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient
 
 from jobs_server.app import create_app
 from jobs_server.key_digest import digest_of, new_api_key
-from jobs_server.manager.archive import Archive, JobQuery, archive_path
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
 from jobs_server.settings import Settings

@@ -1,15 +1,12 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
 from jobs_server.manager.api import Backend, DriverFinderApi, JobManagerApi, PackageStoreApi
-from jobs_server.manager.archive import Archive, JobQuery
-from jobs_server.manager.dashboard_registration import (
+from jobs_server.manager.archive.sqlite import Archive, JobQuery
+from jobs_server.manager.cluster.dashboard_registration import (
     DashboardRegistration,
     registration_address,
 )
-from jobs_server.manager.job_manager import JobManager, JobPage
-from jobs_server.manager.logs import LogChunk
-from jobs_server.manager.packages import PackageStore, package_uri
-from jobs_server.manager.ray_cluster import (
+from jobs_server.manager.cluster.ray_cluster import (
     ClusterHealth,
     ClusterInfo,
     RayConnection,
@@ -18,6 +15,9 @@ from jobs_server.manager.ray_cluster import (
     read_cluster_info,
     watch_cluster,
 )
+from jobs_server.manager.job_manager import JobManager, JobPage
+from jobs_server.manager.logs import LogChunk
+from jobs_server.manager.packages import PackageStore, package_uri
 from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus
 from jobs_server.manager.submission_ids import new_submission_id
 from jobs_server.manager.supervisor.drivers import RayDriver, RayDrivers

@@ -8,12 +8,12 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from jobs_server.manager.archive import JobQuery
-from jobs_server.manager.event_feed import EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent
+from jobs_server.manager.archive.event_feed import EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.sqlite import JobQuery
+from jobs_server.manager.cluster.ray_cluster import ClusterInfo
 from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
-from jobs_server.manager.ray_cluster import ClusterInfo
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
 from jobs_server.manager.supervisor.drivers import RayDriver
 from jobs_server.manager.supervisors import SupervisorOccupancy

@@ -19,18 +19,20 @@ from jobs_server.errors import (
     JobNotFoundError,
     JobNotTerminalError,
 )
-from jobs_server.manager.archive import Archive, JobQuery, UnknownCursorError
-from jobs_server.manager.cluster_resources import ClusterResources
-from jobs_server.manager.deferred_ends import DeferredEnds
-from jobs_server.manager.dispatcher import PENDING_MESSAGE, Dispatcher
-from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent
-from jobs_server.manager.history import JobHistory
-from jobs_server.manager.job_counts import count_jobs_by_tenant, total_by_status
-from jobs_server.manager.job_queue import Admission, JobQueue
+from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
+from jobs_server.manager.archive.retention import Retention, RetentionPolicy
+from jobs_server.manager.archive.sqlite import Archive, JobQuery, UnknownCursorError
+from jobs_server.manager.cluster.resources import ClusterResources
 from jobs_server.manager.job_views import JobViews, in_scope, scoped
-from jobs_server.manager.kv import GcsKv
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.live.deferred_ends import DeferredEnds
+from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.recovery import Recovery
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import (
     LogChunk,
@@ -39,16 +41,14 @@ from jobs_server.manager.logs import (
     read_log_chunks,
 )
 from jobs_server.manager.packages import PackageLookup
+from jobs_server.manager.queue.admission import Admission, JobQueue
+from jobs_server.manager.queue.dispatcher import PENDING_MESSAGE, Dispatcher
+from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
-from jobs_server.manager.recovery import Recovery
-from jobs_server.manager.retention import Retention, RetentionPolicy
-from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.stopping import JobStopper
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisors import SupervisorOccupancy, Supervisors
 from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, RunAs, TenantLimits
-from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
 

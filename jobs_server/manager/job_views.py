@@ -13,11 +13,11 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.archive import Archive, JobQuery
-from jobs_server.manager.cluster_resources import ClusterResources
-from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.archive.sqlite import Archive, JobQuery
+from jobs_server.manager.cluster.resources import ClusterResources
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.queue.admission import JobQueue
 from jobs_server.manager.records import JobRecord, JobStatus
-from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord
-from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.run_batches import RunBatches
 from jobs_server.manager.runtime_envs import runtime_env_for_ray
 from jobs_server.manager.supervisor.job_run import SupervisedJob

@@ -23,7 +23,7 @@ from jobs_server.errors import (
     PackageNotFoundError,
     PayloadTooLargeError,
 )
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.runtime_envs import GCS_SCHEME, is_package_name, tenant_package_uri
 
 # Long enough for a job to be submitted after its package was found to exist.

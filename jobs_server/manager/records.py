@@ -82,7 +82,7 @@ class JobSpec(BaseModel):
     timeout_s: float | None = None
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     max_retries: int = 0
-    """Failed attempts retried after the first (see manager/retries.py)."""
+    """Failed attempts retried after the first (see manager/queue/retries.py)."""
     retry_on_exit_codes: tuple[int, ...] | None = None
     """The exit codes that are retried; None: any non-zero one."""
 

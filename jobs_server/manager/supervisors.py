@@ -24,7 +24,7 @@ import ray
 from ray.exceptions import ActorDiedError, RuntimeEnvSetupError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from jobs_server.manager.ray_metrics import SUPERVISOR_ENV_VARS
+from jobs_server.manager.cluster.ray_metrics import SUPERVISOR_ENV_VARS
 from jobs_server.manager.records import JobSpec
 from jobs_server.manager.supervisor.actor import JobSupervisor
 from jobs_server.manager.supervisor_calls import first_line

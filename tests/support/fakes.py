@@ -36,9 +36,9 @@ from jobs_server.manager import (
     PackageStore,
     RayDriver,
 )
-from jobs_server.manager.event_feed import EventFeed, EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms

@@ -14,8 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import RayDriver
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.containment import SHELL, Containment
 from jobs_server.manager.supervisor.fork_server import ForkServer
 from jobs_server.manager.supervisor.job_run import JobRun

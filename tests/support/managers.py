@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from jobs_server.manager import JobManager
-from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.event_feed import EventFeed
+from jobs_server.manager.archive.event_feed import EventFeed
+from jobs_server.manager.archive.sqlite import Archive, archive_path
 
 
 @asynccontextmanager

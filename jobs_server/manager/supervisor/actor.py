@@ -25,9 +25,9 @@ from typing import Any
 
 import ray
 
-from jobs_server.manager.kv import GCS_OUTAGE_RETRY_S, GcsKv
+from jobs_server.manager.live.kv import GCS_OUTAGE_RETRY_S, GcsKv
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobStatus, RayDriver
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.attempts import JobAttempts
 from jobs_server.manager.supervisor.containment import Containment, detect_containment
 from jobs_server.manager.supervisor.drivers import RayDrivers

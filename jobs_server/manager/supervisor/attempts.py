@@ -20,7 +20,15 @@ from typing import Any, Protocol
 import ray
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.logs import log_size, read_log_tail
+from jobs_server.manager.queue.retries import (
+    attempts_ran,
+    backoff_message,
+    retry_backoff_s,
+    running_message,
+    why_not_retried,
+)
 from jobs_server.manager.records import (
     JobAttempt,
     JobErrorType,
@@ -29,14 +37,6 @@ from jobs_server.manager.records import (
     RayDriver,
     now_ms,
 )
-from jobs_server.manager.retries import (
-    attempts_ran,
-    backoff_message,
-    retry_backoff_s,
-    running_message,
-    why_not_retried,
-)
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.command_start import CommandProcess, start_entrypoint
 from jobs_server.manager.supervisor.containment import Containment
 from jobs_server.manager.supervisor.early_stop import EarlyStop

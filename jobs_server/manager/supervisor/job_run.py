@@ -15,9 +15,9 @@ from typing import Any
 import ray
 from pydantic import BaseModel, ConfigDict
 
-from jobs_server.manager.ray_metrics import job_env_without_plumbing_setting
+from jobs_server.manager.cluster.ray_metrics import job_env_without_plumbing_setting
+from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 from jobs_server.manager.records import JobRecord
-from jobs_server.manager.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 from jobs_server.manager.supervisor.drivers import driver_job_metadata
 from jobs_server.manager.supervisor.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.supervisor.process import JOB_TOKEN_ENV_VAR, StopDeadline

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jobs_server.manager.events import JobEvent
+from jobs_server.manager.archive.events import JobEvent
 
 logger = logging.getLogger(__name__)
 

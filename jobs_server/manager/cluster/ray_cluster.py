@@ -18,8 +18,8 @@ import psutil
 import ray
 
 from jobs_server.errors import ClusterUnavailableError
-from jobs_server.manager.kv import GcsKv
-from jobs_server.manager.ray_metrics import turn_back_on, turn_off_for_this_process
+from jobs_server.manager.cluster.ray_metrics import turn_back_on, turn_off_for_this_process
+from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.supervisor.containment import detect_containment
 
 logger = logging.getLogger(__name__)

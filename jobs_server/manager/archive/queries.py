@@ -8,7 +8,7 @@ import sqlite3
 from dataclasses import dataclass, replace
 from typing import Any
 
-from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobStatus, RecordParser, parse_record
 
 # Rows read per batch when the whole list is streamed.

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 
-from jobs_server.manager.archive import Archive
+from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobStatus
-from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.archive import Archive
+from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord
-from jobs_server.manager.store import JobStore
 
 logger = logging.getLogger(__name__)
 

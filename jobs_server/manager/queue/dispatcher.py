@@ -28,17 +28,17 @@ import ray
 
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
-from jobs_server.manager.archive import Archive
-from jobs_server.manager.deferred_ends import DeferredEnds
-from jobs_server.manager.history import JobHistory
-from jobs_server.manager.job_queue import JobQueue
+from jobs_server.manager.archive.sqlite import Archive
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.live.deferred_ends import DeferredEnds
+from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.logs import set_aside_orphaned_log
+from jobs_server.manager.queue.admission import JobQueue
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
-from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import socket
 
 import ray
 
-from jobs_server.manager.kv import GcsKv
+from jobs_server.manager.live.kv import GcsKv
 
 logger = logging.getLogger(__name__)
 

@@ -24,15 +24,15 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager import archive_queries as queries
+from jobs_server.manager.archive import queries
+from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.archive.group_commit import GroupCommit, NewRow, rollback
+from jobs_server.manager.archive.new_rows import insert_new_rows
 
 # Re-exported: the archive's callers name them with it.
-from jobs_server.manager.archive_queries import STREAM_BATCH_ROWS as STREAM_BATCH_ROWS
-from jobs_server.manager.archive_queries import JobQuery as JobQuery
-from jobs_server.manager.archive_queries import UnknownCursorError as UnknownCursorError
-from jobs_server.manager.events import JobEvent, JobEventType
-from jobs_server.manager.group_commit import GroupCommit, NewRow, rollback
-from jobs_server.manager.new_rows import insert_new_rows
+from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS as STREAM_BATCH_ROWS
+from jobs_server.manager.archive.queries import JobQuery as JobQuery
+from jobs_server.manager.archive.queries import UnknownCursorError as UnknownCursorError
 from jobs_server.manager.records import (
     JobRecord,
     JobStatus,

@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.kv import GcsKv, retried
+from jobs_server.manager.live.kv import GcsKv, retried
 from jobs_server.manager.records import (
     JobRecord,
     JobStatus,
@@ -49,10 +49,10 @@ def _end_key(submission_id: str, run_id: str) -> str:
 
 class JobStore:
     """Reads and writes the live records of jobs; the server and every supervisor share one
-    namespace. It keeps no record in memory: the history is the archive's (manager/archive.py),
-    and the KV holds only jobs that have not ended yet (and, briefly, the end of those that
-    just did, until the server has archived it and forgets it here). It remembers only which
-    run of a job it created last, until that run is deleted."""
+    namespace. It keeps no record in memory: the history is the archive's
+    (manager/archive/sqlite.py), and the KV holds only jobs that have not ended yet (and, briefly,
+    the end of those that just did, until the server has archived it and forgets it here). It
+    remembers only which run of a job it created last, until that run is deleted."""
 
     def __init__(self, kv: GcsKv, *, parse: RecordParser = parse_record) -> None:
         self._kv = kv

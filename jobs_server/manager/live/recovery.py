@@ -20,16 +20,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError, JobNotFoundError
-from jobs_server.manager.archive import Archive
-from jobs_server.manager.history import JobHistory
-from jobs_server.manager.job_queue import JobQueue
-from jobs_server.manager.kv import retried
+from jobs_server.manager.archive.sqlite import Archive
 from jobs_server.manager.launcher import Launch, Launcher
+from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.live.kv import retried
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.live.watcher import JobWatchers
+from jobs_server.manager.queue.admission import JobQueue
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
-from jobs_server.manager.store import JobStore
 from jobs_server.manager.supervisor_calls import first_line
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
-from jobs_server.manager.watcher import JobWatchers
 
 logger = logging.getLogger(__name__)
 

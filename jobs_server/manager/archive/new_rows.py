@@ -17,7 +17,7 @@ import sqlite3
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 
 # 100 rows of at most 8 columns: within the 999 variables of the oldest SQLite builds.

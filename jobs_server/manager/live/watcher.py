@@ -20,12 +20,10 @@ from ray.exceptions import (
 )
 
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.cluster_resources import ClusterResources, node_is_alive
-from jobs_server.manager.history import JobHistory
+from jobs_server.manager.cluster.resources import ClusterResources, node_is_alive
 from jobs_server.manager.launcher import Launch, Launcher
-from jobs_server.manager.logs import job_log_path
-from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.run_outcomes import (
+from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.live.run_outcomes import (
     Backoff,
     JobFailure,
     JobStartTimeoutError,
@@ -33,7 +31,9 @@ from jobs_server.manager.run_outcomes import (
     future_of,
     start_failure,
 )
-from jobs_server.manager.store import JobStore
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.records import JobErrorType, JobRecord, JobSpec, JobStatus, now_ms
 from jobs_server.manager.supervisor.log_shipping import pull_log_from_supervisor
 from jobs_server.manager.supervisor_calls import first_line, while_unreachable
 from jobs_server.manager.supervisors import Supervisors, is_dedicated

@@ -16,7 +16,7 @@ import collections
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from jobs_server.manager.events import EventLog, JobEvent
+from jobs_server.manager.archive.events import EventLog, JobEvent
 from jobs_server.manager.records import JobStatus
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 

@@ -13,7 +13,7 @@ import asyncio
 import logging
 
 from jobs_server.disk_guard import is_disk_full
-from jobs_server.manager.history import RETRY_INITIAL_S, JobHistory
+from jobs_server.manager.live.history import RETRY_INITIAL_S, JobHistory
 from jobs_server.manager.records import JobRecord
 
 logger = logging.getLogger(__name__)
