@@ -9,14 +9,14 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
-from jobs_server.manager.events import JobEvent
-from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY, JobAttempt
-from jobs_server.manager.retries import (
+from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,
     MAX_RETRY_EXIT_CODES,
     MIN_EXIT_CODE,
 )
+from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY, JobAttempt
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.

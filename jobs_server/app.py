@@ -12,11 +12,9 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp_cors
 from aiohttp import web
 
-from jobs_server.auth import AccessPolicy, resolve_auth_token
-from jobs_server.disk_guard import DiskGuard
-from jobs_server.job_details_cache import JobDetailsJsonCache
-from jobs_server.key_ring import KeyRing, reload_keys_on_sighup
-from jobs_server.keys import (
+from jobs_server.access.auth import AccessPolicy, resolve_auth_token
+from jobs_server.access.key_ring import KeyRing, reload_keys_on_sighup
+from jobs_server.app_state import (
     ACCESS_POLICY_KEY,
     CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
@@ -31,6 +29,7 @@ from jobs_server.keys import (
     SHUTTING_DOWN_KEY,
     UPLOAD_BUDGET_KEY,
 )
+from jobs_server.disk_guard import DiskGuard
 from jobs_server.manager import (
     Backend,
     ClusterHealth,
@@ -44,15 +43,17 @@ from jobs_server.manager import (
     registration_address,
     watch_cluster,
 )
-from jobs_server.manager.archive import Archive, archive_path
-from jobs_server.manager.event_feed import EventFeed
-from jobs_server.manager.events import JobEvent
-from jobs_server.manager.ray_cluster import CLUSTER_LOST_EXIT_CODE
+from jobs_server.manager.archive.event_feed import EventFeed
+from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.retention import RetentionPolicy
+from jobs_server.manager.archive.sqlite import Archive, archive_path
+from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.records import caching_record_parser
-from jobs_server.manager.retention import RetentionPolicy
 from jobs_server.manager.tenancy import RunAs
 from jobs_server.metrics import ServerMetrics
-from jobs_server.middlewares import (
+from jobs_server.routes import ROUTE_TABLES
+from jobs_server.serving.job_details_cache import JobDetailsJsonCache
+from jobs_server.serving.middlewares import (
     auth_middleware,
     cluster_health_middleware,
     cross_site_middleware,
@@ -60,10 +61,9 @@ from jobs_server.middlewares import (
     metrics_middleware,
     request_origin_middleware,
 )
-from jobs_server.routes import ROUTE_TABLES
+from jobs_server.serving.upload_budget import UploadBudget
 from jobs_server.settings import Settings
 from jobs_server.state_dir import prepare_state_dirs
-from jobs_server.upload_budget import UploadBudget
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from aiohttp import web
 
-from jobs_server.keys import AUTHENTICATED_KEY, PRINCIPAL_KEY
+from jobs_server.app_state import AUTHENTICATED_KEY, PRINCIPAL_KEY
 from jobs_server.manager.tenancy import ANONYMOUS_ADMIN
 
 audit_logger = logging.getLogger("jobs_server.audit")

@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 def print_new_key(*, from_stdin: bool) -> int:
     """`hash-token`: a new key and its digest (or the digest of the key on stdin)."""
-    from jobs_server.key_digest import digest_of, new_api_key
+    from jobs_server.access.key_digest import digest_of, new_api_key
 
     if from_stdin:
         key = sys.stdin.readline().strip()
@@ -150,12 +150,12 @@ def serve(flags: dict[str, Any]) -> None:
     from aiohttp import web
     from pydantic import ValidationError
 
+    from jobs_server.access.auth import TokenSourceError, resolve_auth_token
+    from jobs_server.access.tokens import TokensFileError, load_tokens_file
     from jobs_server.app import create_app
-    from jobs_server.auth import TokenSourceError, resolve_auth_token
     from jobs_server.manager.tenancy import RunAs
-    from jobs_server.request_body import describe_validation_error
+    from jobs_server.serving.request_body import describe_validation_error
     from jobs_server.state_dir import StateDirError, lock_state_dir
-    from jobs_server.tokens import TokensFileError, load_tokens_file
 
     try:
         settings = load_settings(flags)
@@ -267,7 +267,7 @@ def _can_change_user() -> bool:
 
 def _check_bind(settings: Settings, *, has_token: bool) -> None:
     """Refuse to expose an unauthenticated server beyond this machine: it runs shell commands."""
-    from jobs_server.auth import is_loopback
+    from jobs_server.access.auth import is_loopback
 
     if has_token or is_loopback(settings.host):
         return

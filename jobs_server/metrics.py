@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from jobs_server.manager import JobStatus
-from jobs_server.manager.events import JobEvent, JobEventType
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import TenantLimits
 

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 import ray
 
+from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.errors import JobNotFoundError
-from jobs_server.keys import JOB_MANAGER_KEY
 from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.job_manager import JobManager
 from jobs_server.manager.live.kv import GcsKv

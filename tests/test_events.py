@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from jobs_server.app import create_app
+from jobs_server.app_state import JOB_MANAGER_KEY, SHUTTING_DOWN_KEY
 from jobs_server.client.sse import Event
-from jobs_server.keys import JOB_MANAGER_KEY, SHUTTING_DOWN_KEY
 from jobs_server.manager.archive import event_feed as event_feed_module
 from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.archive.events import JobEvent, JobEventType

@@ -15,7 +15,7 @@ from typing import Any, cast
 import pytest
 
 from jobs_server.app import create_app
-from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.manager import JobManager, JobRecord
 from jobs_server.manager.archive.sqlite import archive_path
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE

@@ -18,7 +18,7 @@ import pytest
 import ray
 
 from jobs_server.app import create_app
-from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.manager import JobManager, JobRecord, JobSpec, JobStatus
 from jobs_server.manager import job_manager as job_manager_module
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE

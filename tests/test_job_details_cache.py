@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jobs_server.job_details_cache import JobDetailsJsonCache
 from jobs_server.manager import JobRecord, JobSpec, JobStatus
+from jobs_server.serving.job_details_cache import JobDetailsJsonCache
 
 
 def finished(index: int) -> JobRecord:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from jobs_server.app import create_app
-from jobs_server.keys import JOB_MANAGER_KEY
+from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.manager.records import JobRecord, JobStatus
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status

@@ -21,8 +21,8 @@ from openapi_spec_validator import validate
 from pydantic import BaseModel, SecretStr
 
 from jobs_server import api_models
+from jobs_server.access.key_digest import digest_of
 from jobs_server.app import create_app
-from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
 from tests.support.api import wait_for_status
 from tests.support.fakes import FakeJobManager

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from jobs_server.key_digest import new_api_key
+from jobs_server.access.key_digest import new_api_key
 from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server

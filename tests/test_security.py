@@ -124,7 +124,7 @@ def _resolve_in_subprocess(extra_env: dict[str, str]) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("JOBS_SERVER_")}
     env.pop("RAY_AUTH_MODE", None)
     script = (
-        "from jobs_server.auth import resolve_auth_token\n"
+        "from jobs_server.access.auth import resolve_auth_token\n"
         "from jobs_server.settings import Settings\n"
         "print(resolve_auth_token(Settings()))\n"
     )

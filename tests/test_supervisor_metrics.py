@@ -11,8 +11,8 @@ from pathlib import Path
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from jobs_server.access.key_digest import digest_of
 from jobs_server.app import create_app
-from jobs_server.key_digest import digest_of
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 

@@ -19,11 +19,11 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession
 
+from jobs_server.access.tokens import TokensFileError, parse_tokens
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
 from jobs_server.manager.archive.sqlite import Archive, JobQuery
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
-from jobs_server.tokens import TokensFileError, parse_tokens
 from tests.support.tenant_server import (
     KEY_SPECS,
     TenantServer,

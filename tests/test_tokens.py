@@ -17,13 +17,13 @@ import pytest
 import requests
 from aiohttp.test_utils import TestClient
 
+from jobs_server.access.key_digest import digest_of, new_api_key
+from jobs_server.access.tokens import TokensFileError, load_tokens_file, parse_tokens
 from jobs_server.app import create_app
-from jobs_server.key_digest import digest_of, new_api_key
 from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
 from jobs_server.settings import Settings
-from jobs_server.tokens import TokensFileError, load_tokens_file, parse_tokens
 from tests.support.fakes import FakeJobManager
 from tests.support.processes import wait_until
 from tests.support.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml

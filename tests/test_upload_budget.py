@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs_server.keys import UPLOAD_BUDGET_KEY
+from jobs_server.app_state import UPLOAD_BUDGET_KEY
 from jobs_server.settings import Settings
 from tests.support.api import Client
 from tests.support.openapi_contract import Contract

@@ -19,14 +19,14 @@ from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.api_models import EventStreamHeartbeat, EventStreamReset, StreamedJobEvent
+from jobs_server.app_state import JOB_MANAGER_KEY, PRINCIPAL_KEY
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY
-from jobs_server.manager.event_feed import EventFilter, FeedReset
-from jobs_server.manager.events import JobEvent
+from jobs_server.manager.archive.event_feed import EventFilter, FeedReset
+from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.records import JobStatus
-from jobs_server.query_params import parse_statuses
-from jobs_server.request_body import describe_validation_error
-from jobs_server.streams import CLIENT_CHECK_S, REVOKED_EVENT, open_stream
+from jobs_server.serving.query_params import parse_statuses
+from jobs_server.serving.request_body import describe_validation_error
+from jobs_server.serving.streams import CLIENT_CHECK_S, REVOKED_EVENT, open_stream
 
 routes = web.RouteTableDef()
 

@@ -17,9 +17,7 @@ from jobs_server.api_models import (
     SubmitJobRequest,
     SubmitJobResponse,
 )
-from jobs_server.audit import audit, redacted_runtime_env
-from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import (
+from jobs_server.app_state import (
     DISK_GUARD_KEY,
     JOB_DETAILS_CACHE_KEY,
     JOB_MANAGER_KEY,
@@ -27,9 +25,11 @@ from jobs_server.keys import (
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
 )
+from jobs_server.audit import audit, redacted_runtime_env
+from jobs_server.errors import InvalidRequestError
 from jobs_server.manager import JobQuery, JobRecord, JobStatus, new_submission_id
-from jobs_server.query_params import parse_statuses
-from jobs_server.request_body import (
+from jobs_server.serving.query_params import parse_statuses
+from jobs_server.serving.request_body import (
     describe_validation_error,
     json_response,
     read_json_model,

@@ -24,12 +24,12 @@ from aiohttp import web
 from aiohttp_sse import EventSourceResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from jobs_server.app_state import JOB_MANAGER_KEY, PRINCIPAL_KEY, SETTINGS_KEY
 from jobs_server.errors import InvalidRequestError
-from jobs_server.keys import JOB_MANAGER_KEY, PRINCIPAL_KEY, SETTINGS_KEY
 from jobs_server.manager import LogChunk
 from jobs_server.manager.logs import complete_utf8_length
-from jobs_server.request_body import describe_validation_error
-from jobs_server.streams import (
+from jobs_server.serving.request_body import describe_validation_error
+from jobs_server.serving.streams import (
     CLIENT_CHECK_S,
     REVOKED_EVENT,
     follower_should_stop,

@@ -5,17 +5,17 @@ from __future__ import annotations
 from aiohttp import web
 
 from jobs_server.api_models import PackageResponse
-from jobs_server.audit import audit
-from jobs_server.errors import PayloadTooLargeError
-from jobs_server.keys import (
+from jobs_server.app_state import (
     DISK_GUARD_KEY,
     PACKAGE_STORE_KEY,
     PRINCIPAL_KEY,
     SETTINGS_KEY,
     UPLOAD_BUDGET_KEY,
 )
+from jobs_server.audit import audit
+from jobs_server.errors import PayloadTooLargeError
 from jobs_server.manager import package_uri
-from jobs_server.request_body import json_response
+from jobs_server.serving.request_body import json_response
 
 routes = web.RouteTableDef()
 

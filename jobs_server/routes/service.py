@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jobs_server.api_models import DiskHealth, HealthResponse, VersionResponse
-from jobs_server.keys import (
+from jobs_server.app_state import (
     CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
     DISK_GUARD_KEY,
@@ -21,7 +21,7 @@ from jobs_server.keys import (
     SETTINGS_KEY,
 )
 from jobs_server.metrics import QueueState
-from jobs_server.request_body import json_response
+from jobs_server.serving.request_body import json_response
 
 # Ray's Jobs API version; its clients check it.
 JOBS_API_VERSION = "4"

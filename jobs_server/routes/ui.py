@@ -10,7 +10,7 @@ from typing import Final
 
 from aiohttp import web
 
-from jobs_server.keys import KEY_RING_KEY
+from jobs_server.app_state import KEY_RING_KEY
 
 routes = web.RouteTableDef()
 

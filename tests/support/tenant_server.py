@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import ClientSession
 
-from jobs_server.key_digest import digest_of, new_api_key
+from jobs_server.access.key_digest import digest_of, new_api_key
 from tests.support.api import TERMINAL_STATUSES
 from tests.support.processes import free_port, stop_process_group
 from tests.support.ray_nodes import kill_actors_in_namespace

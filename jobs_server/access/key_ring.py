@@ -22,10 +22,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from jobs_server.auth import token_matches
-from jobs_server.key_digest import digest_of
+from jobs_server.access.auth import token_matches
+from jobs_server.access.key_digest import digest_of
+from jobs_server.access.tokens import TokensFile, load_tokens_file
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Principal, Role, TenantLimits
-from jobs_server.tokens import TokensFile, load_tokens_file
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,16 @@ from http import HTTPStatus
 
 from aiohttp import hdrs, web
 
+from jobs_server.access.auth import token_from_headers
 from jobs_server.api_models import ErrorDetail, ErrorResponse
-from jobs_server.auth import token_from_headers
+from jobs_server.app_state import (
+    ACCESS_POLICY_KEY,
+    AUTHENTICATED_KEY,
+    CLUSTER_HEALTH_KEY,
+    KEY_RING_KEY,
+    METRICS_KEY,
+    PRINCIPAL_KEY,
+)
 from jobs_server.errors import (
     AuthenticationRequiredError,
     ClusterUnavailableError,
@@ -30,17 +38,9 @@ from jobs_server.errors import (
     TooManyRequestsError,
     UnsupportedMediaTypeError,
 )
-from jobs_server.keys import (
-    ACCESS_POLICY_KEY,
-    AUTHENTICATED_KEY,
-    CLUSTER_HEALTH_KEY,
-    KEY_RING_KEY,
-    METRICS_KEY,
-    PRINCIPAL_KEY,
-)
 from jobs_server.manager.tenancy import ANONYMOUS_ADMIN
 from jobs_server.metrics import CANCELLED_REQUEST_STATUS, route_name
-from jobs_server.request_origin import origin_of, parse_origin
+from jobs_server.serving.request_origin import origin_of, parse_origin
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +172,7 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 @web.middleware
 async def request_origin_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """The name the request reached us by must be one we answer to (DNS rebinding: see
-    request_origin.py); behind a trusted proxy, the scheme, name and client are those the
+    serving/request_origin.py); behind a trusted proxy, the scheme, name and client are those the
     browser used, as the proxy says."""
     policy = request.app[ACCESS_POLICY_KEY]
     forwarded = policy.proxy_trust.forwarded(request.remote, request.headers)

@@ -30,11 +30,11 @@ from typing import TypeVar
 
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from jobs_server.access.auth import token_from_headers
+from jobs_server.access.key_ring import KeyHold
 from jobs_server.api_models import ErrorDetail, ErrorResponse
-from jobs_server.auth import token_from_headers
+from jobs_server.app_state import KEY_HOLD_KEY, KEY_RING_KEY, PRINCIPAL_KEY, SHUTTING_DOWN_KEY
 from jobs_server.errors import JobNotFoundError
-from jobs_server.key_ring import KeyHold
-from jobs_server.keys import KEY_HOLD_KEY, KEY_RING_KEY, PRINCIPAL_KEY, SHUTTING_DOWN_KEY
 from jobs_server.manager import LogChunk
 
 logger = logging.getLogger(__name__)

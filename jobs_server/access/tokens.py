@@ -25,7 +25,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from jobs_server.key_digest import DIGEST_PATTERN
+from jobs_server.access.key_digest import DIGEST_PATTERN
 from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, RunAs, TenantLimits
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"

@@ -6,10 +6,9 @@ import asyncio
 
 from aiohttp import web
 
-from jobs_server.auth import AccessPolicy
+from jobs_server.access.auth import AccessPolicy
+from jobs_server.access.key_ring import KeyHold, KeyRing
 from jobs_server.disk_guard import DiskGuard
-from jobs_server.job_details_cache import JobDetailsJsonCache
-from jobs_server.key_ring import KeyHold, KeyRing
 from jobs_server.manager import (
     ClusterHealth,
     ClusterInfo,
@@ -19,8 +18,9 @@ from jobs_server.manager import (
 )
 from jobs_server.manager.tenancy import Principal
 from jobs_server.metrics import ServerMetrics
+from jobs_server.serving.job_details_cache import JobDetailsJsonCache
+from jobs_server.serving.upload_budget import UploadBudget
 from jobs_server.settings import Settings
-from jobs_server.upload_budget import UploadBudget
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 # Typed by Protocol, so the real manager and the tests' fakes both fit (a Protocol is not a
@@ -46,6 +46,6 @@ AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)
 # Who calls, set by the authentication middleware on every request that needs a key (and on
 # every request when the server has none): handlers scope the manager's calls by it.
 PRINCIPAL_KEY = web.RequestKey("principal", Principal)
-# A streamed response's hold on the key it was opened with (see streams.py): made by the first
-# of its parts that asks, kept by the key ring while the stream is open.
+# A streamed response's hold on the key it was opened with (see serving/streams.py): made by the
+# first of its parts that asks, kept by the key ring while the stream is open.
 KEY_HOLD_KEY = web.RequestKey("key_hold", KeyHold)

@@ -8,7 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from jobs_server.request_origin import HostAllowList, ProxyTrust
+from jobs_server.serving.request_origin import HostAllowList, ProxyTrust
 from jobs_server.settings import Settings
 
 # Ray's SDK sends its token in one of these (Ray's own `Authorization: Bearer`, or its own
@@ -37,7 +37,7 @@ def resolve_auth_token(settings: Settings) -> str | None:
             raise TokenSourceError(f"cannot read --auth-token-file: {error}") from error
         token = lines[0].strip() if lines else ""
     elif settings.tokens_file is None and os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        from jobs_server.manager.ray_cluster import ray_auth_token
+        from jobs_server.manager.cluster.ray_cluster import ray_auth_token
 
         token = ray_auth_token() or ""
         if not token:
