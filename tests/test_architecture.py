@@ -29,9 +29,12 @@ def _top_level(module: str) -> str:
     return module.split(".")[0]
 
 
-@pytest.mark.parametrize(("folder", "forbidden"), [("routes", "ray"), ("manager", "aiohttp")])
+@pytest.mark.parametrize(
+    ("folder", "forbidden"),
+    [("routes", "ray"), ("serving", "ray"), ("access", "ray"), ("manager", "aiohttp")],
+)
 def test_layers_do_not_import_across(folder: str, forbidden: str) -> None:
-    files = sorted((PACKAGE / folder).glob("*.py"))
+    files = sorted((PACKAGE / folder).rglob("*.py"))
     assert files
     offenders = {
         str(path.relative_to(PACKAGE)): sorted(
@@ -83,6 +86,93 @@ def test_the_supervisor_needs_nothing_on_a_worker_node_but_ray() -> None:
         }
     assert PACKAGE / "manager" / "logs.py" in seen  # the walk follows jobs_server imports
     assert third_party <= SUPERVISOR_MAY_IMPORT, third_party - SUPERVISOR_MAY_IMPORT
+
+
+# What the supervisor's side (manager/supervisor/) may use of the rest of the package: the
+# records and their store, the log files, and leaf rules. Never the server's side (the facade,
+# the watchers, the archive, the queue's dispatcher, anything HTTP): a module added here is a
+# decision, not an accident.
+SUPERVISOR_MAY_USE = {
+    "errors.py",
+    "manager/__init__.py",
+    "manager/records.py",
+    "manager/tenancy.py",
+    "manager/logs.py",
+    "manager/log_watch.py",
+    "manager/packages.py",
+    "manager/runtime_envs.py",
+    "manager/runtime_env_failures.py",
+    "manager/live/__init__.py",
+    "manager/live/kv.py",
+    "manager/live/store.py",
+    "manager/queue/__init__.py",
+    "manager/queue/retries.py",
+    "manager/cluster/__init__.py",
+    "manager/cluster/ray_metrics.py",
+    # log_shipping.py holds both ends of a worker node's log: the spool, and the head's pull.
+    "manager/supervisor_calls.py",
+}
+
+
+def _imported_closure(start: list[Path]) -> set[Path]:
+    seen: set[Path] = set()
+    pending = list(start)
+    while pending:
+        path = pending.pop()
+        if path not in seen:
+            seen.add(path)
+            pending.extend(_jobs_server_imports(path))
+    return seen
+
+
+def test_the_supervisor_side_imports_nothing_of_the_server_side() -> None:
+    supervisor_side = PACKAGE / "manager" / "supervisor"
+    used = {
+        str(path.relative_to(PACKAGE))
+        for path in _imported_closure(sorted(supervisor_side.rglob("*.py")))
+        if not path.is_relative_to(supervisor_side)
+    }
+    assert "manager/live/store.py" in used  # the walk sees what the supervisor shares
+    assert used - SUPERVISOR_MAY_USE == set()
+
+
+# The HTTP side and the wiring above the manager: the manager never reaches back up into them.
+ABOVE_THE_MANAGER = {
+    "jobs_server.app",
+    "jobs_server.app_state",
+    "jobs_server.api_models",
+    "jobs_server.cli",
+    "jobs_server.metrics",
+    "jobs_server.settings",
+    "jobs_server.routes",
+    "jobs_server.serving",
+    "jobs_server.access",
+    "jobs_server.client",
+    "jobs_server.web",
+}
+
+
+def _is_above_the_manager(module: str) -> bool:
+    return any(module == top or module.startswith(f"{top}.") for top in ABOVE_THE_MANAGER)
+
+
+def test_the_manager_never_imports_back_up() -> None:
+    offenders = {
+        str(path.relative_to(PACKAGE)): found
+        for path in sorted((PACKAGE / "manager").rglob("*.py"))
+        if (found := sorted(filter(_is_above_the_manager, imported_modules(path, with_names=True))))
+    }
+    assert offenders == {}
+
+
+def test_the_upward_import_check_sees_the_http_side(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text("from jobs_server import app\nfrom jobs_server.serving.streams import x\n")
+    assert sorted(filter(_is_above_the_manager, imported_modules(sample, with_names=True))) == [
+        "jobs_server.app",
+        "jobs_server.serving.streams",
+        "jobs_server.serving.streams.x",
+    ]
 
 
 TESTS = PACKAGE.parent / "tests"
