@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -47,6 +48,13 @@ def _env_var_problem(name: str, value: object) -> str | None:
     if isinstance(value, str) and "\x00" in value:
         return f"runtime_env.env_vars.{name} must not contain NUL characters"
     return None
+
+
+@functools.cache
+def shared_fields(source: type[BaseModel], target: type[BaseModel]) -> tuple[str, ...]:
+    """The fields `target` declares that `source` declares too (by name): a job's options pass
+    from the request to the spec, and from the spec to its details, by these names."""
+    return tuple(name for name in target.model_fields if name in source.model_fields)
 
 
 def _retried_exit_codes(codes: list[int]) -> list[int]:
@@ -135,24 +143,17 @@ class SubmitJobRequest(BaseModel):
         return self
 
     def to_spec(self, new_submission_id: Callable[[], str]) -> JobSpec:
-        """The job to run; `new_submission_id()` names it if the request did not."""
-        return JobSpec(
-            entrypoint=self.entrypoint,
-            submission_id=self.submission_id or self.job_id or new_submission_id(),
-            runtime_env=self.runtime_env or {},
-            metadata=self.metadata or {},
-            entrypoint_num_cpus=self.entrypoint_num_cpus,
-            entrypoint_num_gpus=self.entrypoint_num_gpus,
-            entrypoint_memory=self.entrypoint_memory,
-            entrypoint_resources=self.entrypoint_resources or {},
-            entrypoint_label_selector=self.entrypoint_label_selector or {},
-            timeout_s=self.timeout_s,
-            priority=self.priority,
-            max_retries=self.max_retries or 0,
-            retry_on_exit_codes=(
-                None if self.retry_on_exit_codes is None else tuple(self.retry_on_exit_codes)
-            ),
-        )
+        """The job to run; `new_submission_id()` names it if the request did not. Every option
+        the spec declares under the same name is taken as it is (pydantic converts a list to
+        the spec's tuple), a null one as the spec's default: a new option is declared here and
+        in `JobSpec`, and copied nowhere."""
+        options = {
+            name: value
+            for name in shared_fields(type(self), JobSpec)
+            if (value := getattr(self, name)) is not None
+        }
+        options["submission_id"] = self.submission_id or self.job_id or new_submission_id()
+        return JobSpec(**options)
 
 
 class SubmitJobResponse(BaseModel):
@@ -284,34 +285,25 @@ class JobDetails(BaseModel):
                 "node_ip_address": record.driver_node_ip or "",
                 "pid": str(record.driver_pid),
             }
+        # The job's options as the spec has them: every one these details declare.
+        options = {name: getattr(spec, name) for name in shared_fields(type(spec), cls)}
+        # Ray's: null when the job asked for none.
+        options["entrypoint_resources"] = spec.entrypoint_resources or None
         return cls(
+            **options,
             # Ray's job_id names a Ray driver; a shell command may never start one.
             job_id=driver.job_id if driver is not None else None,
-            submission_id=spec.submission_id,
             driver_info=driver_info,
             status=record.status,
-            entrypoint=spec.entrypoint,
             message=record.message,
             error_type=record.error_type,
             start_time=record.start_time,
             end_time=record.end_time,
-            metadata=spec.metadata,
-            runtime_env=spec.runtime_env,
             driver_agent_http_address=None,
             driver_node_id=record.driver_node_id,
             driver_exit_code=record.driver_exit_code,
-            entrypoint_num_cpus=spec.entrypoint_num_cpus,
-            entrypoint_num_gpus=spec.entrypoint_num_gpus,
-            entrypoint_memory=spec.entrypoint_memory,
-            entrypoint_resources=spec.entrypoint_resources or None,
-            timeout_s=spec.timeout_s,
-            max_retries=spec.max_retries,
-            retry_on_exit_codes=(
-                None if spec.retry_on_exit_codes is None else list(spec.retry_on_exit_codes)
-            ),
             attempts=[JobAttemptDetails.from_attempt(attempt) for attempt in record.attempts],
             tenant=record.tenant,
-            priority=spec.priority,
         )
 
 

@@ -1,0 +1,121 @@
+"""One place for a job's fields: an option declared in the request model and in `JobSpec`
+reaches the spec and the job's details without being copied by hand."""
+
+from __future__ import annotations
+
+import types
+import typing
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from jobs_server import api_models
+from jobs_server.api_models import JobDetails, SubmitJobRequest
+from jobs_server.manager import JobRecord, JobSpec
+
+# What the request sets that no option of the spec is: the id has a conversion of its own.
+NOT_OPTIONS = {"submission_id", "job_id"}
+
+
+def sample_of(annotation: Any, name: str) -> Any:
+    """A value of type `annotation` that no field's default is (a new option's type that this
+    does not know fails the test, naming it: teach it the type)."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return sample_of(next(arg for arg in args if arg is not type(None)), name)
+    if origin is typing.Annotated:
+        return sample_of(args[0], name)
+    if annotation is str:
+        return f"sample-{name}"
+    if annotation is bool:
+        return True
+    if annotation is int:
+        return 3
+    if annotation is float:
+        return 2.5
+    if annotation is Any:
+        return f"sample-{name}"
+    if origin is dict:
+        return {"sample": sample_of(args[1], name)}
+    if origin in (tuple, list):
+        return [sample_of(args[0], name)]
+    raise AssertionError(f"no sample of {annotation!r} for {name}: add one to sample_of")
+
+
+def shared_options(source: type[BaseModel], target: type[BaseModel]) -> list[str]:
+    return [name for name in target.model_fields if name in source.model_fields]
+
+
+def sample_request(**more: Any) -> dict[str, Any]:
+    """A submit body that sets every option the request and the spec share to a value that is
+    not the spec's default."""
+    body: dict[str, Any] = {"entrypoint": "echo sample", "submission_id": "sample-job"}
+    for name in shared_options(SubmitJobRequest, JobSpec):
+        if name in body or name in NOT_OPTIONS:
+            continue
+        body[name] = sample_of(JobSpec.model_fields[name].annotation, name)
+        assert body[name] != JobSpec.model_fields[name].get_default(call_default_factory=True)
+    return {**body, **more}
+
+
+def test_every_option_the_request_and_the_spec_share_reaches_the_spec() -> None:
+    body = sample_request()
+    spec = SubmitJobRequest.model_validate(body).to_spec(lambda: "unused")
+    dumped = spec.model_dump(mode="json")
+    assert {name: dumped[name] for name in body} == body
+
+
+def test_an_option_left_out_or_null_is_the_specs_default() -> None:
+    body = {"entrypoint": "true", "submission_id": "defaults"}
+    nulls = {
+        name: None
+        for name, field in SubmitJobRequest.model_fields.items()
+        if name not in body and not field.is_required() and field.default is None
+    }
+    expected = JobSpec(entrypoint="true", submission_id="defaults")
+    assert SubmitJobRequest.model_validate(body).to_spec(lambda: "unused") == expected
+    assert SubmitJobRequest.model_validate(body | nulls).to_spec(lambda: "unused") == expected
+    # Without an id, the server names the job; `job_id` is Ray's older name for it.
+    assert SubmitJobRequest(entrypoint="true").to_spec(lambda: "named").submission_id == "named"
+    assert SubmitJobRequest(entrypoint="true", job_id="old").to_spec(lambda: "x").submission_id == (
+        "old"
+    )
+
+
+def test_every_option_of_the_spec_the_details_declare_reaches_the_details() -> None:
+    spec = SubmitJobRequest.model_validate(sample_request()).to_spec(lambda: "unused")
+    details = JobDetails.from_record(JobRecord(spec=spec, run_id="r1")).model_dump(mode="json")
+    declared = shared_options(JobSpec, JobDetails)
+    assert "priority" in declared
+    assert "entrypoint_label_selector" not in declared  # Ray's details have no such field
+    dumped = spec.model_dump(mode="json")
+    assert {name: details[name] for name in declared} == {name: dumped[name] for name in declared}
+
+
+class SpecWithOption(JobSpec):
+    new_option: int = 0
+
+
+class RequestWithOption(SubmitJobRequest):
+    new_option: int | None = None
+
+
+class DetailsWithOption(JobDetails):
+    new_option: int
+
+
+def test_a_new_option_needs_only_its_declarations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # As if `new_option` were added to the request model, the spec and the details, and to
+    # nothing else: it reaches the spec from the request, and the details from the spec.
+    monkeypatch.setattr(api_models, "JobSpec", SpecWithOption)
+    spec = RequestWithOption(entrypoint="true", submission_id="new", new_option=7).to_spec(str)
+    assert isinstance(spec, SpecWithOption)
+    assert spec.new_option == 7
+    details = DetailsWithOption.from_record(JobRecord(spec=spec, run_id="r1"))
+    assert details.new_option == 7
+    # A null is the spec's default, as for every option.
+    assert RequestWithOption(entrypoint="true", new_option=None).to_spec(str) == SpecWithOption(
+        entrypoint="true", submission_id=""
+    )
