@@ -36,17 +36,13 @@ async def test_a_stop_asked_while_the_fork_server_dies_starting_the_command_ends
     command's start, not FAILED for a start that failed."""
     store = JobStore(GcsKv(ray_connection, f"attempt-faults-{uuid.uuid4().hex}"))
     run_id = new_run_id()
-    await store.create(
-        JobRecord(spec=JobSpec(entrypoint="sleep 60", submission_id="stopped"), run_id=run_id)
-    )
+    spec = JobSpec(entrypoint="sleep 60", submission_id="stopped")
+    await store.create(JobRecord(spec=spec, run_id=run_id))
     job = SupervisedJob(
-        submission_id="stopped",
-        entrypoint="sleep 60",
-        log_path=tmp_path / "stopped.log",
-        runtime_env={},
-        metadata={},
-        stop_grace_s=1.0,
+        spec=spec,
         run_id=run_id,
+        log_path=tmp_path / "stopped.log",
+        stop_grace_s=1.0,
     )
     run = JobRun(job=job, log_path=job.log_path)
     async with subreaper_fork_server() as forks:

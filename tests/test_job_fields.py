@@ -1,10 +1,11 @@
 """One place for a job's fields: an option declared in the request model and in `JobSpec`
-reaches the spec and the job's details without being copied by hand."""
+reaches the spec, the job's details and its supervisor without being copied by hand."""
 
 from __future__ import annotations
 
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,6 +14,10 @@ from pydantic import BaseModel
 from jobs_server import api_models
 from jobs_server.api_models import JobDetails, SubmitJobRequest
 from jobs_server.manager import JobRecord, JobSpec
+from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.runtime_envs import runtime_env_for_ray
+from jobs_server.manager.supervisor.job_run import SupervisedJob
+from jobs_server.manager.supervisors import Supervisors
 
 # What the request sets that no option of the spec is: the id has a conversion of its own.
 NOT_OPTIONS = {"submission_id", "job_id"}
@@ -119,3 +124,32 @@ def test_a_new_option_needs_only_its_declarations(monkeypatch: pytest.MonkeyPatc
     assert RequestWithOption(entrypoint="true", new_option=None).to_spec(str) == SpecWithOption(
         entrypoint="true", submission_id=""
     )
+
+
+def test_the_supervised_job_carries_the_spec_not_copies_of_its_fields() -> None:
+    copies = set(SupervisedJob.model_fields) & set(JobSpec.model_fields)
+    assert not copies, f"SupervisedJob copies the spec's {sorted(copies)}: read them from .spec"
+    assert SupervisedJob.model_fields["spec"].annotation is JobSpec
+
+
+def test_the_launcher_hands_the_supervisor_the_records_spec(tmp_path: Path) -> None:
+    launcher = Launcher(
+        supervisors=Supervisors(
+            namespace="fields", kv_namespace="fields", shared_count=1, head_node_id="0" * 56
+        ),
+        log_dir=tmp_path,
+        stop_grace_s=4.0,
+        head_node_id="0" * 56,
+    )
+    # An uploaded package is given to Ray as the tenant's copy; the spec keeps what was sent.
+    body = sample_request(runtime_env={"working_dir": "gcs://_ray_pkg_0123456789abcdef.zip"})
+    spec = SubmitJobRequest.model_validate(body).to_spec(lambda: "unused")
+    record = JobRecord(spec=spec, run_id="r1", tenant="team-a")
+    job = SupervisedJob.model_validate(launcher.supervised_job(record))
+    assert job.spec == record.spec
+    assert job.ray_runtime_env == runtime_env_for_ray(spec.runtime_env, "team-a")
+    assert job.ray_runtime_env != spec.runtime_env
+    assert (job.run_id, job.stop_grace_s, job.log_path.parent) == ("r1", 4.0, tmp_path)
+    # Without packages the runtime env is the spec's: it crosses to the actor once.
+    plain = record.model_copy(update={"spec": spec.model_copy(update={"runtime_env": {}})})
+    assert SupervisedJob.model_validate(launcher.supervised_job(plain)).ray_runtime_env is None

@@ -139,17 +139,13 @@ async def test_a_stop_that_meets_the_commands_own_exit_leaves_the_job_ended_as_i
     run_id = new_run_id()
     go = tmp_path / "go"
     entrypoint = f"echo all of it; while [ ! -e {go} ]; do sleep 0.01; done; echo the end"
-    await store.create(
-        JobRecord(spec=JobSpec(entrypoint=entrypoint, submission_id="race"), run_id=run_id)
-    )
+    spec = JobSpec(entrypoint=entrypoint, submission_id="race")
+    await store.create(JobRecord(spec=spec, run_id=run_id))
     job = SupervisedJob(
-        submission_id="race",
-        entrypoint=entrypoint,
-        log_path=tmp_path / "race.log",
-        runtime_env={},
-        metadata={},
-        stop_grace_s=5.0,
+        spec=spec,
         run_id=run_id,
+        log_path=tmp_path / "race.log",
+        stop_grace_s=5.0,
     )
     run = JobRun(job=job, log_path=job.log_path)
     has_ended = JobAttempts._run_until_end.__globals__["command_has_ended"]

@@ -101,21 +101,18 @@ class Launcher:
         return await asyncio.to_thread(self.log_path(record).exists)
 
     def supervised_job(self, record: JobRecord) -> dict[str, Any]:
-        """What the supervisor needs, as the plain fields `run_job` takes."""
+        """What the supervisor needs, as the plain fields `run_job` takes: the job's spec as it
+        is, and what this server decides for the run."""
         spec = record.spec
+        # The driver's job config too: its tasks and actors set up the tenant's packages.
+        for_ray = runtime_env_for_ray(spec.runtime_env, record.tenant)
         return SupervisedJob(
-            submission_id=spec.submission_id,
+            spec=spec,
             run_id=record.run_id,
-            entrypoint=spec.entrypoint,
             log_path=job_log_path(self._log_dir, spec.submission_id),
-            # The driver's job config too: its tasks and actors set up the tenant's packages.
-            runtime_env=runtime_env_for_ray(spec.runtime_env, record.tenant),
-            metadata=spec.metadata,
+            ray_runtime_env=None if for_ray is spec.runtime_env else for_ray,
             stop_grace_s=self._stop_grace_s,
-            timeout_s=spec.timeout_s,
             head_node_id=self._head_node_id,
-            max_retries=spec.max_retries,
-            retry_on_exit_codes=spec.retry_on_exit_codes,
             retry_backoff_s=self._retry_backoff_s,
             start_record_delay_s=(
                 0.0 if is_dedicated(record.supervisor_name or "") else SHARED_START_RECORD_DELAY_S

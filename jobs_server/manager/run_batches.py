@@ -59,7 +59,7 @@ class SupervisorRuns:
         """Hand the job (`run_job`'s fields) over; the futures of its start and end."""
         loop = asyncio.get_running_loop()
         run = BatchedRun(started=loop.create_future(), finished=loop.create_future())
-        key = (job_fields["submission_id"], job_fields["run_id"])
+        key = _run_key(job_fields)
         self._waiting.setdefault(key, []).append(run)
         run.finished.add_done_callback(lambda _: self._drop_if_cancelled(key, run))
         if self.dead:
@@ -96,7 +96,7 @@ class SupervisorRuns:
                 # As `run_job`'s ObjectRef would: the jobs' watchers decide (a job that never
                 # started goes to a replacement supervisor).
                 for job_fields in batch:
-                    self._fail((job_fields["submission_id"], job_fields["run_id"]), error)
+                    self._fail(_run_key(job_fields), error)
                 if isinstance(error, ActorDiedError):
                     self._died(error)
 
@@ -182,3 +182,8 @@ def _settle(future: asyncio.Future[Any], result: Any) -> None:
 def _settle_with_error(future: asyncio.Future[Any], error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+
+
+def _run_key(job_fields: dict[str, Any]) -> _RunKey:
+    """The run a hand-over (`SupervisedJob` fields) is of."""
+    return job_fields["spec"]["submission_id"], job_fields["run_id"]

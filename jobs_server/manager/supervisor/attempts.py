@@ -177,7 +177,7 @@ class JobAttempts:
         try:
             with self._host.command_starting():
                 process = await start_entrypoint(
-                    job.entrypoint,
+                    job.spec.entrypoint,
                     log_path=run.log_path,
                     env=driver_env(job, job_token, self._host.supervisor_token),
                     containment=containment,
@@ -199,8 +199,8 @@ class JobAttempts:
                 message=f"Job entrypoint command could not start: {error}",
             )
         run.pid = process.pid
-        if self._deadline is None and job.timeout_s is not None:
-            self._deadline = time.monotonic() + job.timeout_s
+        if self._deadline is None and job.spec.timeout_s is not None:
+            self._deadline = time.monotonic() + job.spec.timeout_s
         self._attempts.append(JobAttempt(start_time=now_ms(), log_offset=log_offset))
         # From the moment the command runs, a stop (or the timeout) acts on it at once, also
         # while the attempt is being recorded: that write may take long on a busy GCS.
@@ -252,7 +252,7 @@ class JobAttempts:
 
     def _attempt_start_changes(self, pid: int) -> dict[str, Any]:
         changes: dict[str, Any] = {
-            "message": running_message(len(self._attempts), self._job.max_retries),
+            "message": running_message(len(self._attempts), self._job.spec.max_retries),
             "driver_pid": pid,
             "attempts": tuple(self._attempts),
         }
@@ -339,8 +339,8 @@ class JobAttempts:
         refusal = why_not_retried(
             end.exit_code,
             count,
-            max_retries=job.max_retries,
-            retry_on_exit_codes=job.retry_on_exit_codes,
+            max_retries=job.spec.max_retries,
+            retry_on_exit_codes=job.spec.retry_on_exit_codes,
         )
         if self._run.stop_requested.is_set():
             refusal = "it was asked to stop"  # it ended on its own just before the stop
@@ -348,7 +348,7 @@ class JobAttempts:
             return await self._record_failure(end.exit_code, refusal)
         delay_s = retry_backoff_s(job.retry_backoff_s, count)
         record = await self._update(
-            message=backoff_message(count, job.max_retries, end.exit_code, delay_s),
+            message=backoff_message(count, job.spec.max_retries, end.exit_code, delay_s),
             attempts=tuple(self._attempts),
         )
         return record if record.status.is_terminal() else delay_s
@@ -380,7 +380,7 @@ class JobAttempts:
     async def _record_failure(self, exit_code: int, refusal: str) -> JobRecord:
         """FAILED with the last attempt's exit code and output."""
         count = len(self._attempts)
-        why = "" if self._job.max_retries == 0 else f" {attempts_ran(count)} ({refusal})"
+        why = "" if self._job.spec.max_retries == 0 else f" {attempts_ran(count)} ({refusal})"
         log_tail = read_log_tail(self._run.log_path, start_offset=self._attempts[-1].log_offset)
         return await self._record_end(
             status=JobStatus.FAILED,
@@ -391,11 +391,11 @@ class JobAttempts:
 
     async def _record_timeout(self, exit_code: int | None, how: str) -> JobRecord:
         count = len(self._attempts)
-        after = "" if self._job.max_retries == 0 else f" ({attempts_ran(count)})"
+        after = "" if self._job.spec.max_retries == 0 else f" ({attempts_ran(count)})"
         return await self._record_end(
             status=JobStatus.FAILED,
             error_type=JOB_TIMEOUT_ERROR_TYPE,
-            message=f"Job exceeded its timeout of {self._job.timeout_s:g} s {how}{after}.",
+            message=f"Job exceeded its timeout of {self._job.spec.timeout_s:g} s {how}{after}.",
             driver_exit_code=exit_code,
         )
 

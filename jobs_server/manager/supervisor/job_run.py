@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs_server.manager.cluster.ray_metrics import job_env_without_plumbing_setting
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
-from jobs_server.manager.records import JobRecord
+from jobs_server.manager.records import JobRecord, JobSpec
 from jobs_server.manager.supervisor.drivers import driver_job_metadata
 from jobs_server.manager.supervisor.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.supervisor.process import JOB_TOKEN_ENV_VAR, StopDeadline
@@ -32,30 +32,32 @@ NEVER_STARTED_MESSAGE = "Job was stopped before it started."
 
 
 class SupervisedJob(BaseModel):
-    """What a supervisor needs to run one job."""
+    """What a supervisor needs to run one job: the job as its client asked for it (`spec`,
+    whose options the supervisor reads there), and what the server decides for this run."""
 
     model_config = ConfigDict(frozen=True)
 
-    submission_id: str
-    entrypoint: str
+    spec: JobSpec
+    run_id: str
+    """The run of the job this is (see `JobRecord.run_id`)."""
     log_path: Path
-    runtime_env: dict[str, Any]
-    metadata: dict[str, str]
+    ray_runtime_env: dict[str, Any] | None = None
+    """The job's runtime env as Ray is given it, where it is not the spec's (its uploaded
+    packages name the tenant's copies: runtime_envs.py); None: the spec's."""
     stop_grace_s: float
-    timeout_s: float | None = None
-    run_id: str = ""
-    """The run of `submission_id` this is (see `JobRecord.run_id`)."""
     head_node_id: str | None = None
     """The node whose disk holds `log_path` (the server's); a supervisor elsewhere spools the
     log on its own node for the server to pull. None: this node."""
-    max_retries: int = 0
-    retry_on_exit_codes: tuple[int, ...] | None = None
     retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S
     """The wait before the first retry (doubled for each further one; see retries.py)."""
     start_record_delay_s: float = 0.0
     """How long an attempt runs before its start is written (see attempts.py); 0: at once."""
     run_as: RunAs | None = None
     """The user the command runs as (command_start.py); None: the supervisor's."""
+
+    @property
+    def submission_id(self) -> str:
+        return self.spec.submission_id
 
 
 @dataclass
@@ -101,7 +103,7 @@ def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dic
     }
     job_env_without_plumbing_setting(env)
     # A shared supervisor runs jobs with different env_vars: each process gets its own.
-    env.update(job.runtime_env.get("env_vars") or {})
+    env.update(job.spec.runtime_env.get("env_vars") or {})
     # `python` in an entrypoint is the interpreter that runs Ray here (the runtime env's
     # virtualenv, if it has one), not whatever comes first on the node's PATH.
     python_bin_dir = os.path.dirname(sys.executable)
@@ -111,9 +113,11 @@ def driver_env(job: SupervisedJob, job_token: str, supervisor_token: str) -> dic
             "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
             RAY_JOB_CONFIG_ENV_VAR: json.dumps(
                 {
-                    "runtime_env": job.runtime_env,
+                    "runtime_env": (
+                        job.spec.runtime_env if job.ray_runtime_env is None else job.ray_runtime_env
+                    ),
                     # As Ray's supervisor: the driver's job names its submission.
-                    "metadata": driver_job_metadata(job.submission_id, job.metadata),
+                    "metadata": driver_job_metadata(job.submission_id, job.spec.metadata),
                 }
             ),
             # Python drivers stream their output instead of flushing it at exit.
