@@ -19,7 +19,7 @@ from jobs_server.manager.tenancy import NO_LIMITS, RunAs, TenantLimits
 
 # A shared supervisor writes a job's start once its command has run this long, or with its end if
 # that comes first: a short job costs one write to the GCS instead of two. Until then the job
-# reads PENDING, and a stop still reaches the command (supervisor.py: `call_off`). A job with a
+# reads PENDING, and a stop still reaches the command (actor.py: `call_off`). A job with a
 # supervisor of its own (a runtime env, resources: it waited, and its start timeout counts) has
 # its start written at once.
 SHARED_START_RECORD_DELAY_S = 0.1

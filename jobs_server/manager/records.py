@@ -16,7 +16,7 @@ from jobs_server.manager.tenancy import DEFAULT_TENANT
 # Parses a server's caching_record_parser keeps: a couple of thousand live jobs (~4 KiB each).
 PARSED_RECORDS_KEPT = 2048
 
-# A queued job's priority: higher first (job_queue.py), within these bounds.
+# A queued job's priority: higher first (queue/admission.py), within these bounds.
 MIN_PRIORITY = -1000
 MAX_PRIORITY = 1000
 

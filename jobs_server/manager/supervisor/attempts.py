@@ -65,7 +65,7 @@ STOPPED_MESSAGE = "Job was intentionally stopped."
 
 
 class AttemptHost(Protocol):
-    """What a job's attempts need of the supervisor that runs them (supervisor.py)."""
+    """What a job's attempts need of the supervisor that runs them (actor.py)."""
 
     @property
     def supervisor_token(self) -> str: ...
@@ -88,7 +88,7 @@ class AttemptHost(Protocol):
     def is_spooled(self, run: JobRun) -> bool: ...
 
     def command_starting(self) -> contextlib.AbstractContextManager[None]:
-        """While a command starts: no orphan reaping (see supervisor.py)."""
+        """While a command starts: no orphan reaping (see actor.py)."""
 
     def other_roots(self, run: JobRun) -> frozenset[int]: ...
 

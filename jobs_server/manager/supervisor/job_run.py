@@ -1,5 +1,5 @@
 """One run of one command in a supervisor: what it is given, its state, its environment, and
-what its end says. The supervisor (supervisor.py) owns the runs and the actor's API."""
+what its end says. The supervisor (actor.py) owns the runs and the actor's API."""
 
 from __future__ import annotations
 
