@@ -65,6 +65,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if "browser" in item.fixturenames and item.get_closest_marker("browser") is None:
             item.add_marker(pytest.mark.browser)
+    # Under pytest-xdist (scripts/check) each module runs whole on one worker: the modules that
+    # take longest go first, so that none of them is still running alone at the end. A module
+    # moves as one, so its module-scoped fixtures are still set up once.
+    slow_modules = {item.module for item in items if _is_slow(item)}
+    items.sort(key=lambda item: item.module not in slow_modules)
+
+
+def _is_slow(item: pytest.Item) -> bool:
+    return "ray_tmpdir" in item.fixturenames or any(
+        item.get_closest_marker(mark) for mark in ("slow", "multinode", "gcs")
+    )
 
 
 @pytest.fixture
@@ -100,18 +111,21 @@ RAY_ADDRESS_FILE = Path("/tmp/ray/ray_current_cluster")
 @pytest.fixture(scope="session", autouse=True)
 def ray_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every Ray instance of the suite (its clusters, the servers' embedded ones) keeps its
-    session files and its address file under pytest's temp dir, not in /tmp/ray; at the end no
+    session files and its address file in a temp dir of the suite's, not in /tmp/ray; at the end no
     process of them is left, and /tmp/ray/ray_current_cluster does not name a dead test cluster.
 
     Fails the session (after cleaning up) when a process was left, so a leak is seen.
     """
-    path = tmp_path_factory.getbasetemp() / "r"
-    path.mkdir()
+    # Short, and outside pytest's temp dir: under pytest-xdist that dir is one level deeper
+    # (popen-gwN/), which took Ray's socket paths past their 107 bytes.
+    path = Path(tempfile.mkdtemp(prefix="rs", dir="/tmp"))
     previous = os.environ.get("RAY_TMPDIR")
-    # Ray's temp dir is $RAY_TMPDIR/ray; short enough for its sockets' paths (107 bytes).
+    # Ray's temp dir is $RAY_TMPDIR/ray.
     os.environ["RAY_TMPDIR"] = str(path)
     # A server a test starts without --state-dir must not write the history in the home dir.
-    os.environ.setdefault("JOBS_SERVER_STATE_DIR", str(path.parent / "default-state"))
+    os.environ.setdefault(
+        "JOBS_SERVER_STATE_DIR", str(tmp_path_factory.getbasetemp() / "default-state")
+    )
     address_before = _read_text(RAY_ADDRESS_FILE)
     try:
         yield path
@@ -125,6 +139,7 @@ def ray_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         (_read_text(path / "ray" / RAY_ADDRESS_FILE.name) or "").strip()
     }
     stale_address = _restore_address_file(address_before, suite_addresses - {""})
+    shutil.rmtree(path, ignore_errors=True)
     assert not leftovers, f"processes of the suite's Ray instances were left: {leftovers}"
     assert stale_address is None, (
         f"{RAY_ADDRESS_FILE} named {stale_address}, a test cluster that is gone (restored)"

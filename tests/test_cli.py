@@ -16,6 +16,9 @@ from jobs_server.settings import Settings
 from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.servers import start_jobs_server, wait_for_server
 
+# Among the longest modules: started first when tests run in parallel (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 JOBS_SERVER = str(Path(sys.executable).parent / "jobs-server")
 
 

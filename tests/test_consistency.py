@@ -32,6 +32,9 @@ from tests.support.queue import until_status
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
 
+# Among the longest modules: started first when tests run in parallel (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 SHARED_SUPERVISOR_PREFIX = "jobs_server_shared_supervisor:"
 
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import schemathesis
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from schemathesis import checks
 
 pytestmark = pytest.mark.ray
@@ -43,23 +43,37 @@ def make_harmless(case: Any) -> None:
 
 # Endless streams (a websocket, the event stream) never answer in full; their parameters are
 # checked by tests/test_streams.py and tests/test_events.py.
-@SCHEMA.exclude(operation_id=["tail_job_logs", "stream_events"]).parametrize()
-@settings(
-    max_examples=EXAMPLES_PER_OPERATION,
-    deadline=None,
-    suppress_health_check=list(HealthCheck),
-    derandomize=True,
-)
-def test_generated_requests_get_documented_answers(case: Any, server_url: str) -> None:
-    make_harmless(case)
-    REQUESTS_SENT.append(case.operation.label)
-    case.call_and_validate(
-        base_url=server_url,
-        timeout=30,
-        # A valid request may still be refused for a reason the schema cannot express (the job
-        # id does not exist, the job already ended): only the server's own rules decide that.
-        excluded_checks=[checks.positive_data_acceptance],
+OPERATIONS = [
+    result.ok()
+    for result in SCHEMA.exclude(
+        operation_id=["tail_job_logs", "stream_events"]
+    ).get_all_operations()
+]
+
+
+# One test per operation, each with its own id: schemathesis' own `parametrize()` gives every
+# operation the same node id, and pytest-xdist, which tells tests apart by node id, ran one.
+@pytest.mark.parametrize("operation", OPERATIONS, ids=lambda operation: operation.label)
+def test_generated_requests_get_documented_answers(operation: Any, server_url: str) -> None:
+    @given(case=operation.as_strategy())
+    @settings(
+        max_examples=EXAMPLES_PER_OPERATION,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        derandomize=True,
     )
+    def answers_as_documented(case: Any) -> None:
+        make_harmless(case)
+        REQUESTS_SENT.append(case.operation.label)
+        case.call_and_validate(
+            base_url=server_url,
+            timeout=30,
+            # A valid request may still be refused for a reason the schema cannot express (the
+            # job id does not exist, the job already ended): only the server's rules decide that.
+            excluded_checks=[checks.positive_data_acceptance],
+        )
+
+    answers_as_documented()
 
 
 def test_the_fuzzer_ran(capsys: Any) -> None:

@@ -33,6 +33,9 @@ from tests.support.processes import free_port, stop_process_group, wait_until
 from tests.support.ray_nodes import RAY_BIN
 from tests.support.servers import start_jobs_server, wait_for_server
 
+# Among the longest modules: started first when tests run in parallel (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 SETUP_FAILED = "runtime_env setup failed: Failed to set up runtime environment"
 TERMINAL = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}

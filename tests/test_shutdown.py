@@ -23,6 +23,9 @@ from tests.support.ray_nodes import start_ray_node
 from tests.support.servers import wait_for_server
 from tests.support.shutdown import EXIT_MARGIN_S, SHUTDOWN_TIMEOUT_S, Server
 
+# Among the longest modules: started first when tests run in parallel (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 # The embedded Ray instance's own address: no other test's cluster is on it.
 EMBEDDED_NODE_IP = "127.0.0.41"
 SECRET_TOKEN = f"token-{uuid.uuid4().hex}"

@@ -23,6 +23,9 @@ from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
 from tests.support.processes import poll_until
 
+# Among the longest modules: started first when tests run in parallel (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 # Enough that the server is still writing, held back by the client, when the client acts.
 BIG_LOG_BYTES = 30_000_000
 BIG_LOG_ENTRYPOINT = f"head -c {BIG_LOG_BYTES} /dev/zero | tr '\\0' a"
