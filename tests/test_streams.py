@@ -134,8 +134,9 @@ async def test_clients_that_leave_mid_stream_are_not_errors(
     caplog.set_level(logging.INFO)
     big = await submit(client, entrypoint=BIG_LOG_ENTRYPOINT)
     await wait_for_status(client, big)
+    # It writes until it is stopped: the server's writes after the clients left are what count.
     busy = await submit(
-        client, entrypoint="for i in $(seq 1 400); do echo line $i; sleep 0.05; done"
+        client, entrypoint="i=0; while true; do i=$((i+1)); echo line $i; sleep 0.05; done"
     )
     await wait_for_status(client, busy, {"RUNNING"})
     followers = [
@@ -151,6 +152,12 @@ async def test_clients_that_leave_mid_stream_are_not_errors(
     # They leave while the job still writes: the server's next writes find them gone.
     for request in [*followers, *downloads]:
         request.hang_up()
+    busy_log = settings.log_dir / f"job-driver-{busy}.log"
+    left_at = busy_log.stat().st_size
+    # Some 20 lines more, each one a write to followers that are gone.
+    await poll_until(lambda: busy_log.stat().st_size > left_at + 200, 30, "the job's next lines")
+    response = await client.post(f"/api/jobs/{busy}/stop")
+    assert response.status == 200, await response.text()
     await wait_for_status(client, busy)
     log_paths = {str(settings.log_dir / f"job-driver-{job}.log") for job in (busy, big)}
     await poll_until(lambda: not log_paths & set(open_files()), 10, "the log files to be closed")
