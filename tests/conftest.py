@@ -24,7 +24,13 @@ from tests.support.api import Client
 from tests.support.disks import SMALL_DISK_BYTES
 from tests.support.fakes import FakeJobManager
 from tests.support.gcs import REDIS_SERVER
-from tests.support.processes import accepts_connections, free_port, stop_process_group, wait_until
+from tests.support.processes import (
+    accepts_connections,
+    free_port,
+    stop_process_group,
+    stop_ray_node,
+    wait_until,
+)
 from tests.support.ray_nodes import (
     RAY_BIN,
     RAY_NODE_IP,
@@ -218,7 +224,7 @@ def ray_cluster(
         wait_until(lambda: accepts_connections(RAY_NODE_IP, port), 60, "the Ray head node")
         yield address
     finally:
-        stop_process_group(process)
+        stop_ray_node(process)
         log.close()
 
 

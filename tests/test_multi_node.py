@@ -29,6 +29,7 @@ from tests.support.processes import (
     free_port,
     host_pids,
     stop_process_group,
+    stop_ray_node,
     wait_until,
 )
 from tests.support.ray_nodes import RayNode, start_ray_node
@@ -115,8 +116,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MultiNodeClust
         yield multi_node
     finally:
         if worker is not None:
-            stop_process_group(worker.process, timeout_s=5)
-        stop_process_group(head.process, timeout_s=5)
+            stop_ray_node(worker.process, timeout_s=5)
+        stop_ray_node(head.process, timeout_s=5)
         for temp_dir in multi_node.worker_temp_dirs:
             shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -431,7 +432,7 @@ async def test_losing_the_worker_node_fails_the_job_and_keeps_its_log(
         assert await job_logs(http, job_id) == expected
         assert (server.log_dir / f"job-driver-{job_id}.log").read_text() == expected
     finally:
-        stop_process_group(doomed.process, timeout_s=5)
+        stop_ray_node(doomed.process, timeout_s=5)
         if pid_file.exists():
             for pid in pid_file.read_text().split():
                 if _is_running(int(pid)):

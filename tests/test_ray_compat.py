@@ -29,7 +29,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.runtime_env_failures import describe_setup_failure
 from jobs_server.manager.supervisor.drivers import RayDrivers
-from tests.support.processes import free_port, stop_process_group, wait_until
+from tests.support.processes import free_port, stop_process_group, stop_ray_node, wait_until
 from tests.support.ray_nodes import RAY_BIN
 from tests.support.servers import start_jobs_server, wait_for_server
 
@@ -484,7 +484,7 @@ def own_cluster() -> Iterator[tuple[str, dict[str, str]]]:
         )
         yield address, env
     finally:
-        stop_process_group(process)
+        stop_ray_node(process)
         log.close()
         shutil.rmtree(temp_dir, ignore_errors=True)
 

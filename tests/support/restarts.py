@@ -11,7 +11,13 @@ from typing import Any
 
 import requests
 
-from tests.support.processes import accepts_connections, free_port, stop_process_group, wait_until
+from tests.support.processes import (
+    accepts_connections,
+    free_port,
+    stop_process_group,
+    stop_ray_node,
+    wait_until,
+)
 from tests.support.ray_nodes import RAY_BIN, RAY_NODE_IP
 from tests.support.servers import start_jobs_server, wait_for_server
 
@@ -134,7 +140,7 @@ class Cluster:
         wait_until(lambda: accepts_connections(RAY_NODE_IP, self.port), 60, "the Ray head node")
 
     def stop(self) -> None:
-        stop_process_group(self.process, timeout_s=60)
+        stop_ray_node(self.process, timeout_s=60)
 
 
 JOB_TIMEOUT_S = 120
