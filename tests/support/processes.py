@@ -46,10 +46,17 @@ def stop_ray_node(process: subprocess.Popen[Any], timeout_s: float = 20) -> None
 
     While a detached actor lives, `ray start --block` does not exit on SIGTERM (it waited out
     every 20 s timeout to its SIGKILL); on SIGINT it stops its node in a second or two."""
+    stop_leader_then_group(process, signal.SIGINT, timeout_s)
+
+
+def stop_leader_then_group(
+    process: subprocess.Popen[Any], first: signal.Signals, timeout_s: float
+) -> None:
+    """`first` to the group's leader alone, a wait for it, then SIGKILL to what is left."""
     if process.poll() is not None:
         return
     with contextlib.suppress(ProcessLookupError):
-        process.send_signal(signal.SIGINT)
+        process.send_signal(first)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=timeout_s)
     # Whatever of its group is left (nothing, when the Ctrl-C worked).

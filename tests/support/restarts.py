@@ -14,7 +14,7 @@ import requests
 from tests.support.processes import (
     accepts_connections,
     free_port,
-    stop_process_group,
+    stop_leader_then_group,
     stop_ray_node,
     wait_until,
 )
@@ -60,8 +60,11 @@ class Server:
         wait_for_server(self.url, self.process, log_path, timeout_s=180)
 
     def stop(self) -> None:
+        """SIGTERM to the server alone, as `docker stop` and systemd's `KillMode=mixed` send it
+        (docs/operations.md): it stops its jobs and its embedded Ray itself. A SIGTERM to the
+        whole group ends the embedded Ray under the server, which then takes up to a minute."""
         if self.process is not None:
-            stop_process_group(self.process, timeout_s=60)
+            stop_leader_then_group(self.process, signal.SIGTERM, timeout_s=60)
 
     def kill(self) -> None:
         """kill -9 of the server and everything in its process group (its embedded Ray)."""
