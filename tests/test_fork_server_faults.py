@@ -83,7 +83,8 @@ async def test_a_job_the_fork_server_was_starting_when_it_died_leaves_nothing(
     starts = [
         asyncio.ensure_future(
             forks.spawn(
-                "sleep 60",
+                # Longer than any wait below: a job left running cannot pass by ending on its own.
+                "sleep 600",
                 log_path=tmp_path / f"{index}.log",
                 env={**os.environ, "JOBS_SERVER_JOB_TOKEN": marker.partition("=")[2]},
                 containment=containment,
@@ -106,7 +107,11 @@ async def test_a_job_the_fork_server_was_starting_when_it_died_leaves_nothing(
     assert {type(end) for end in ended if isinstance(end, BaseException)} <= {ForkServerDiedError}
     try:
         await wait_until(
-            lambda: not any(map(marked_processes, failed)), "a job that failed to start runs"
+            lambda: not any(map(marked_processes, failed)),
+            "a job that failed to start runs",
+            # 100 starts cut short on a loaded machine (3 test workers on 2 cores) took their
+            # processes past 15 s once to be gone.
+            timeout_s=60,
         )
         assert [process.returncode for process in started] == [None] * len(started)
     finally:
