@@ -53,7 +53,8 @@ def _env_var_problem(name: str, value: object) -> str | None:
 @functools.cache
 def shared_fields(source: type[BaseModel], target: type[BaseModel]) -> tuple[str, ...]:
     """The fields `target` declares that `source` declares too (by name): a job's options pass
-    from the request to the spec, and from the spec to its details, by these names."""
+    from the request to the spec, and from the spec to its details, by these names. Computed once
+    per pair of models: from_record runs for every job of a list."""
     return tuple(name for name in target.model_fields if name in source.model_fields)
 
 

@@ -42,7 +42,7 @@ def stop_process_group(process: subprocess.Popen[Any], timeout_s: float = 20) ->
 
 
 def stop_ray_node(process: subprocess.Popen[Any], timeout_s: float = 20) -> None:
-    """Stop a `ray start --block` node: Ctrl-C to its leader, then the group as any other.
+    """Stop a `ray start --block` node: Ctrl-C to its leader, then SIGKILL to what is left.
 
     While a detached actor lives, `ray start --block` does not exit on SIGTERM (it waited out
     every 20 s timeout to its SIGKILL); on SIGINT it stops its node in a second or two."""
@@ -59,7 +59,7 @@ def stop_leader_then_group(
         process.send_signal(first)
     with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=timeout_s)
-    # Whatever of its group is left (nothing, when the Ctrl-C worked).
+    # Whatever of its group is left (nothing, when the leader stopped the rest itself).
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)
     process.wait()
