@@ -18,12 +18,19 @@ import ray
 from aiohttp import ClientSession
 
 from jobs_server.app import create_app
+from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.postgres import PostgresArchive
 from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.settings import Settings
 from tests.support.api import Client
 from tests.support.disks import SMALL_DISK_BYTES
 from tests.support.fakes import FakeJobManager
 from tests.support.gcs import REDIS_SERVER
+from tests.support.postgres import (  # noqa: F401 (fixtures)
+    ArchiveFactory,
+    postgres_server,
+    postgres_url,
+)
 from tests.support.processes import (
     accepts_connections,
     free_port,
@@ -372,10 +379,20 @@ def redis_address() -> Iterator[str]:
         stop_process_group(process)
 
 
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def archive_factory(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveFactory:
+    """Archives of one history, on each store in turn: SQLite in the test's own state dir, and
+    a fresh database of the session's PostgreSQL. Keywords go to the store's constructor."""
+    if request.param == "sqlite":
+        return lambda **options: Archive(archive_path(tmp_path / "state"), **options)
+    url = request.getfixturevalue("postgres_url")
+    return lambda **options: PostgresArchive(url, **options)
+
+
 @pytest.fixture
-async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
-    """An open archive (the SQLite job history) in the test's own state dir; closed at the end."""
-    archive = Archive(archive_path(tmp_path / "state"))
+async def archive(archive_factory: ArchiveFactory) -> AsyncIterator[JobArchive]:
+    """An open archive (the job history, on each store in turn); closed at the end."""
+    archive = archive_factory()
     await archive.open()
     yield archive
     await archive.close()

@@ -13,6 +13,7 @@ import pytest
 
 from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.sqlite import (
     _MIGRATIONS,
     Archive,
@@ -21,6 +22,7 @@ from jobs_server.manager.archive.sqlite import (
     archive_path,
 )
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+from tests.support.postgres import ArchiveFactory
 
 
 def record(
@@ -37,14 +39,14 @@ def record(
     )
 
 
-async def test_a_submission_id_is_taken_once(archive: Archive) -> None:
+async def test_a_submission_id_is_taken_once(archive: JobArchive) -> None:
     await archive.insert(record("a"))
     with pytest.raises(DuplicateJobError):
         await archive.insert(record("a"))
     assert [job.submission_id for job in (await archive.page(JobQuery()))[0]] == ["a"]
 
 
-async def test_the_first_terminal_status_wins(archive: Archive) -> None:
+async def test_the_first_terminal_status_wins(archive: JobArchive) -> None:
     job = record("a")
     await archive.insert(job)
     running = job.with_changes(status=JobStatus.RUNNING, driver_pid=7)
@@ -57,7 +59,7 @@ async def test_the_first_terminal_status_wins(archive: Archive) -> None:
     assert await archive.unfinished() == []
 
 
-async def test_an_update_of_another_run_changes_nothing(archive: Archive) -> None:
+async def test_an_update_of_another_run_changes_nothing(archive: JobArchive) -> None:
     job = record("a")
     await archive.insert(job)
     other = record("a").with_changes(status=JobStatus.FAILED)
@@ -66,10 +68,10 @@ async def test_an_update_of_another_run_changes_nothing(archive: Archive) -> Non
 
 
 async def test_every_change_is_an_event_in_order_and_reported_after_commit(
-    tmp_path: Path,
+    archive_factory: ArchiveFactory,
 ) -> None:
     seen: list[JobEvent] = []
-    archive = Archive(archive_path(tmp_path), on_events=seen.extend)
+    archive = archive_factory(on_events=seen.extend)
     await archive.open()
     job = record("a")
     await archive.insert(job)
@@ -92,28 +94,30 @@ async def test_every_change_is_an_event_in_order_and_reported_after_commit(
     await archive.close()
 
 
-async def test_events_are_bounded_and_their_ids_never_reused(tmp_path: Path) -> None:
-    archive = Archive(archive_path(tmp_path), max_events=3)
+async def test_events_are_bounded_and_their_ids_never_reused(
+    archive_factory: ArchiveFactory,
+) -> None:
+    archive = archive_factory(max_events=3)
     await archive.open()
     for index in range(5):
         await archive.insert(record(f"job-{index}"))
     assert await archive.event_id_range() == (3, 5)
     await archive.close()
-    reopened = Archive(archive_path(tmp_path), max_events=3)
+    reopened = archive_factory(max_events=3)
     await reopened.open()
     await reopened.insert(record("job-5"))
     assert await reopened.event_id_range() == (4, 6)
     await reopened.close()
 
 
-async def test_a_duplicate_writes_no_event(archive: Archive) -> None:
+async def test_a_duplicate_writes_no_event(archive: JobArchive) -> None:
     await archive.insert(record("a"))
     with pytest.raises(DuplicateJobError):
         await archive.insert(record("a"))
     assert await archive.event_id_range() == (1, 1)
 
 
-async def test_queries_filter_order_and_page(archive: Archive) -> None:
+async def test_queries_filter_order_and_page(archive: JobArchive) -> None:
     for index in range(6):
         job = record(
             f"job-{index}",
@@ -149,7 +153,7 @@ async def test_queries_filter_order_and_page(archive: Archive) -> None:
         await archive.page(JobQuery(), after="nope")
 
 
-async def test_the_stream_reads_every_job_in_batches(archive: Archive) -> None:
+async def test_the_stream_reads_every_job_in_batches(archive: JobArchive) -> None:
     from jobs_server.manager.archive import sqlite as archive_module
 
     count = archive_module.STREAM_BATCH_ROWS * 2 + 3
@@ -162,7 +166,7 @@ async def test_the_stream_reads_every_job_in_batches(archive: Archive) -> None:
     ]
 
 
-async def test_expired_jobs_are_finished_ones_oldest_first(archive: Archive) -> None:
+async def test_expired_jobs_are_finished_ones_oldest_first(archive: JobArchive) -> None:
     jobs = [record(f"job-{index}") for index in range(5)]
     for index, job in enumerate(jobs):
         await archive.insert(job)
@@ -186,20 +190,30 @@ async def test_expired_jobs_are_finished_ones_oldest_first(archive: Archive) -> 
 
 
 async def test_the_history_survives_reopening_and_metadata_goes_with_its_job(
-    tmp_path: Path,
+    archive_factory: ArchiveFactory,
 ) -> None:
-    path = archive_path(tmp_path)
-    archive = Archive(path)
+    archive = archive_factory()
     await archive.open()
     await archive.insert(record("a", metadata={"team": "x"}))
     await archive.insert(record("b"))
     await archive.close()
-    reopened = Archive(path)
+    reopened = archive_factory()
     await reopened.open()
     assert [job.submission_id for job in await reopened.unfinished()] == ["a", "b"]
     assert await reopened.delete("a")
     assert not await reopened.delete("a")
+    jobs, _ = await reopened.page(JobQuery(metadata=(("team", "x"),)))
+    assert jobs == []
     await reopened.close()
+
+
+async def test_the_sqlite_file_is_wal_at_the_latest_schema(tmp_path: Path) -> None:
+    path = archive_path(tmp_path)
+    archive = Archive(path)
+    await archive.open()
+    await archive.insert(record("a", metadata={"team": "x"}))
+    assert await archive.delete("a")
+    await archive.close()
     db = sqlite3.connect(path)
     assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
     assert db.execute("PRAGMA user_version").fetchone()[0] == len(_MIGRATIONS)
@@ -218,7 +232,7 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     await archive.close()
 
 
-async def test_counts_by_status_read_no_record(archive: Archive) -> None:
+async def test_counts_by_status_read_no_record(archive: JobArchive) -> None:
     first, second = record("a"), record("b")
     await archive.insert(first)
     await archive.insert(second)
@@ -226,13 +240,14 @@ async def test_counts_by_status_read_no_record(archive: Archive) -> None:
     assert await archive.count_by_status() == {JobStatus.FAILED: 1, JobStatus.PENDING: 1}
 
 
-async def test_a_slow_read_delays_no_write(
-    archive: Archive, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_a_slow_read_delays_no_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A list that takes long (a big page, a cold disk) must not hold up submits: reads have a
-    connection and a thread of their own. The read here is held until the writes are done."""
+    connection and a thread of their own (SQLite's; PostgreSQL's reads take a connection of
+    the pool). The read here is held until the writes are done."""
     from jobs_server.manager.archive import queries as archive_queries
 
+    archive = Archive(archive_path(tmp_path))
+    await archive.open()
     await archive.insert(record("before"))
     read_began, release_read = threading.Event(), threading.Event()
     page_of_jobs = archive_queries.page_of_jobs
@@ -255,11 +270,12 @@ async def test_a_slow_read_delays_no_write(
     jobs, _ = await reading
     # Its query ran once released: it sees every commit before it, from its own connection.
     assert [job.submission_id for job in jobs] == ["before", "during-0", "during-1", "during-2"]
+    await archive.close()
 
 
 @pytest.mark.parametrize("descending", [False, True])
 async def test_a_status_filter_also_reads_the_live_jobs_named_in_order(
-    archive: Archive, descending: bool
+    archive: JobArchive, descending: bool
 ) -> None:
     """`live_ids`: those jobs are read whatever their archived status (the caller keeps them by
     the status they have now), merged into the query's order, pages and stream alike."""
@@ -285,7 +301,7 @@ async def test_a_status_filter_also_reads_the_live_jobs_named_in_order(
 
 
 async def test_counts_come_with_the_unfinished_records_of_the_jobs_named(
-    archive: Archive,
+    archive: JobArchive,
 ) -> None:
     """What `/metrics` reads: every count, and of the jobs named (more than one statement
     binds) only the unfinished ones of the tenant asked for."""

@@ -13,8 +13,9 @@ import pytest
 
 from jobs_server.app import create_app
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.retention import RETENTION_BATCH_JOBS, Retention, RetentionPolicy
-from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
+from jobs_server.manager.archive.sqlite import JobQuery, archive_path
 from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.logs import job_log_path
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -25,7 +26,7 @@ DAY_MS = 24 * 3600 * 1000
 
 
 async def add_job(
-    archive: Archive, submission_id: str, *, status: JobStatus, ended_ms_ago: int = 0
+    archive: JobArchive, submission_id: str, *, status: JobStatus, ended_ms_ago: int = 0
 ) -> JobRecord:
     now = now_ms()
     record = JobRecord(
@@ -41,7 +42,9 @@ async def add_job(
     return record
 
 
-def retention(archive: Archive, *, max_age_s: float, max_jobs: int) -> tuple[Retention, list[int]]:
+def retention(
+    archive: JobArchive, *, max_age_s: float, max_jobs: int
+) -> tuple[Retention, list[int]]:
     counted: list[int] = []
 
     async def delete_job(record: JobRecord) -> bool:
@@ -53,11 +56,11 @@ def retention(archive: Archive, *, max_age_s: float, max_jobs: int) -> tuple[Ret
     ), counted
 
 
-async def kept(archive: Archive) -> list[str]:
+async def kept(archive: JobArchive) -> list[str]:
     return [record.submission_id for record in (await archive.page(JobQuery()))[0]]
 
 
-async def test_finished_jobs_older_than_the_age_go_live_ones_stay(archive: Archive) -> None:
+async def test_finished_jobs_older_than_the_age_go_live_ones_stay(archive: JobArchive) -> None:
     await add_job(archive, "old-done", status=JobStatus.SUCCEEDED, ended_ms_ago=3 * DAY_MS)
     await add_job(archive, "old-live", status=JobStatus.RUNNING, ended_ms_ago=3 * DAY_MS)
     await add_job(archive, "old-pending", status=JobStatus.PENDING, ended_ms_ago=3 * DAY_MS)
@@ -72,7 +75,7 @@ async def test_finished_jobs_older_than_the_age_go_live_ones_stay(archive: Archi
     assert counted == [2]
 
 
-async def test_beyond_the_count_the_oldest_finished_go(archive: Archive) -> None:
+async def test_beyond_the_count_the_oldest_finished_go(archive: JobArchive) -> None:
     for number in range(6):
         status = JobStatus.RUNNING if number == 1 else JobStatus.SUCCEEDED
         await add_job(archive, f"job-{number}", status=status)
@@ -83,7 +86,7 @@ async def test_beyond_the_count_the_oldest_finished_go(archive: Archive) -> None
     assert await kept(archive) == ["job-1", "job-3", "job-4", "job-5"]
 
 
-async def test_a_sweep_goes_on_past_one_batch(archive: Archive) -> None:
+async def test_a_sweep_goes_on_past_one_batch(archive: JobArchive) -> None:
     total = RETENTION_BATCH_JOBS + 20
     for number in range(total):
         await add_job(archive, f"job-{number}", status=JobStatus.SUCCEEDED)
@@ -94,7 +97,7 @@ async def test_a_sweep_goes_on_past_one_batch(archive: Archive) -> None:
     assert sum(counted) == total - 10
 
 
-async def test_a_job_deleted_meanwhile_is_no_failure(archive: Archive) -> None:
+async def test_a_job_deleted_meanwhile_is_no_failure(archive: JobArchive) -> None:
     await add_job(archive, "gone", status=JobStatus.SUCCEEDED, ended_ms_ago=3 * DAY_MS)
     await add_job(archive, "old", status=JobStatus.SUCCEEDED, ended_ms_ago=3 * DAY_MS)
 
@@ -109,7 +112,7 @@ async def test_a_job_deleted_meanwhile_is_no_failure(archive: Archive) -> None:
     assert await kept(archive) == ["gone"]
 
 
-async def test_the_background_task_sweeps_and_is_cancelled_on_close(archive: Archive) -> None:
+async def test_the_background_task_sweeps_and_is_cancelled_on_close(archive: JobArchive) -> None:
     await add_job(archive, "old", status=JobStatus.SUCCEEDED, ended_ms_ago=3 * DAY_MS)
     policy = RetentionPolicy(max_age_s=86_400, max_jobs=1000, interval_s=0.01)
     swept = asyncio.Event()

@@ -20,8 +20,9 @@ import pytest
 from aiohttp import ClientSession
 
 from jobs_server.access.tokens import TokensFileError, parse_tokens
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
-from jobs_server.manager.archive.sqlite import Archive, JobQuery
+from jobs_server.manager.archive.sqlite import JobQuery
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
 from jobs_server.manager.tenancy import NO_LIMITS, TenantLimits
 from tests.support.tenant_server import (
@@ -38,7 +39,7 @@ DAY_S = 24 * 3600.0
 
 
 async def add_job(
-    archive: Archive,
+    archive: JobArchive,
     submission_id: str,
     *,
     tenant: str,
@@ -59,7 +60,7 @@ async def add_job(
 
 
 def sweeper(
-    archive: Archive,
+    archive: JobArchive,
     *,
     max_jobs: int = 100_000,
     max_age_s: float = 30 * DAY_S,
@@ -75,12 +76,12 @@ def sweeper(
     return Retention(archive=archive, delete_job=delete_job, policy=policy, **kwargs)
 
 
-async def kept(archive: Archive, tenant: str) -> list[str]:
+async def kept(archive: JobArchive, tenant: str) -> list[str]:
     return [r.submission_id for r in (await archive.page(JobQuery(tenant=tenant)))[0]]
 
 
 async def test_a_flood_over_the_server_wide_count_deletes_the_flooder_s_jobs(
-    archive: Archive,
+    archive: JobArchive,
 ) -> None:
     """No tenant caps: the server's max_jobs still holds overall, but from the tenant over its
     share first. B's history is older than all of A's flood, and stays."""
@@ -94,7 +95,7 @@ async def test_a_flood_over_the_server_wide_count_deletes_the_flooder_s_jobs(
     assert await kept(archive, "team-a") == [f"a-{number}" for number in range(14, 20)]
 
 
-async def test_the_server_wide_count_shares_between_tenants_over_it(archive: Archive) -> None:
+async def test_the_server_wide_count_shares_between_tenants_over_it(archive: JobArchive) -> None:
     """Both over their share: each keeps its share of the server's count, its newest jobs; a
     live one among the oldest stays too (never deleted)."""
     for number in range(8):
@@ -111,7 +112,7 @@ async def test_the_server_wide_count_shares_between_tenants_over_it(archive: Arc
     assert await kept(archive, "team-b") == ["b-0", *[f"b-{number}" for number in range(3, 8)]]
 
 
-async def test_a_tenant_s_own_count_deletes_only_its_jobs(archive: Archive) -> None:
+async def test_a_tenant_s_own_count_deletes_only_its_jobs(archive: JobArchive) -> None:
     for number in range(3):
         await add_job(archive, f"b-{number}", tenant="team-b")
     for number in range(10):
@@ -124,7 +125,7 @@ async def test_a_tenant_s_own_count_deletes_only_its_jobs(archive: Archive) -> N
     assert await kept(archive, "team-b") == ["b-0", "b-1", "b-2"]
 
 
-async def test_a_tenant_s_own_age_deletes_only_its_jobs(archive: Archive) -> None:
+async def test_a_tenant_s_own_age_deletes_only_its_jobs(archive: JobArchive) -> None:
     for tenant in ("team-a", "team-b"):
         await add_job(archive, f"{tenant}-old", tenant=tenant, ended_ms_ago=2 * DAY_MS)
         await add_job(archive, f"{tenant}-live", tenant=tenant, status=JobStatus.RUNNING)
@@ -136,7 +137,7 @@ async def test_a_tenant_s_own_age_deletes_only_its_jobs(archive: Archive) -> Non
     assert await kept(archive, "team-b") == ["team-b-old", "team-b-live", "team-b-new"]
 
 
-async def test_a_tenant_s_caps_above_the_server_s_are_clamped_to_them(archive: Archive) -> None:
+async def test_a_tenant_s_caps_above_the_server_s_are_clamped_to_them(archive: JobArchive) -> None:
     for number in range(6):
         await add_job(archive, f"a-{number}", tenant="team-a", ended_ms_ago=(6 - number) * DAY_MS)
     limits = {"team-a": TenantLimits(max_jobs=1000, max_age_s=365 * DAY_S)}

@@ -17,9 +17,9 @@ import asyncio
 import logging
 import sqlite3
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from jobs_server.manager.archive.events import JobEvent
 
@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 BATCHES_PER_TURN = 8
 _CLOSE_POLL_S = 0.005
 
+_W = TypeVar("_W")
 # A write: (its result, the events it recorded), run in the batch's transaction.
 Write = Callable[[sqlite3.Connection], tuple[Any, list[JobEvent]]]
 
@@ -159,7 +160,7 @@ class GroupCommit:
         outcomes: list[tuple[bool, Any]] = []
         db.execute("BEGIN IMMEDIATE")
         try:
-            for write in _new_rows_together(writes):
+            for write in new_rows_together(writes):
                 if isinstance(write, list):  # new rows: add_rows answers for each
                     outcomes += self._add_rows(db, [new.row for new in write])
                     continue
@@ -184,9 +185,10 @@ class GroupCommit:
         return outcomes
 
 
-def _new_rows_together(writes: list[Write | NewRow]) -> list[Write | list[NewRow]]:
-    """The writes in order, each run of NewRows next to each other as one list."""
-    grouped: list[Write | list[NewRow]] = []
+def new_rows_together(writes: Sequence[_W | NewRow]) -> list[_W | list[NewRow]]:
+    """The writes in order, each run of NewRows next to each other as one list (both stores
+    add a batch's new rows together)."""
+    grouped: list[_W | list[NewRow]] = []
     for write in writes:
         if not isinstance(write, NewRow):
             grouped.append(write)

@@ -13,8 +13,10 @@ one meanwhile, and an explicit id moves `sqlite_sequence` on as an automatic one
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from jobs_server.manager.archive.events import JobEvent, JobEventType
@@ -23,14 +25,35 @@ from jobs_server.manager.records import JobRecord, JobStatus, now_ms
 # 100 rows of at most 8 columns: within the 999 variables of the oldest SQLite builds.
 ROWS_PER_STATEMENT = 100
 
-_JOB_COLUMNS = "submission_id, run_id, tenant, status, start_time, end_time, record"
-_EVENT_COLUMNS = "id, type, submission_id, tenant, status, message, time, record"
+JOB_COLUMNS = "submission_id, run_id, tenant, status, start_time, end_time, record"
+EVENT_COLUMNS = "id, type, submission_id, tenant, status, message, time, record"
+# A job's metadata rows, by its submission_id (its row is inserted first, in the same statement
+# batch).
+METADATA_INSERT = (
+    "INSERT INTO job_metadata (seq, key, value) SELECT seq, ?, ? FROM jobs WHERE submission_id = ?"
+)
 
 
-def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
-    """Insert the rows of new jobs, their metadata and their events (SUBMITTED, and STATUS for
-    one imported mid-life), in the order given; each record's events. sqlite3.IntegrityError if
-    an id is taken: the caller rolls back to its savepoint (part may have been inserted)."""
+@dataclass(frozen=True)
+class NewRows:
+    """The rows of new jobs, as both stores insert them (their statements are `JOBS_INSERT`,
+    `METADATA_INSERT` and `EVENTS_INSERT`), and each record's events."""
+
+    jobs: list[tuple[Any, ...]]
+    metadata: list[tuple[Any, ...]]
+    events: list[tuple[Any, ...]]
+    events_of_each: list[list[JobEvent]]
+
+
+def event_count(records: Sequence[JobRecord]) -> int:
+    """How many events the new jobs `records` make: SUBMITTED, and STATUS for one imported
+    mid-life."""
+    return sum(1 if record.status is JobStatus.PENDING else 2 for record in records)
+
+
+def plan_new_rows(records: Sequence[JobRecord], event_ids: Iterator[int]) -> NewRows:
+    """The rows of new jobs, their metadata and their events, in the order given, the events
+    numbered from `event_ids` (increasing)."""
     texts = [record.model_dump_json() for record in records]
     job_rows = [
         (
@@ -44,20 +67,12 @@ def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> lis
         )
         for record, text in zip(records, texts, strict=True)
     ]
-    _insert_many_rows(db, "jobs", _JOB_COLUMNS, job_rows)
     metadata = [
         (key, value, record.submission_id)
         for record in records
         for key, value in record.spec.metadata.items()
     ]
-    if metadata:
-        db.executemany(
-            "INSERT INTO job_metadata (seq, key, value)"
-            " SELECT seq, ?, ? FROM jobs WHERE submission_id = ?",
-            metadata,
-        )
     time = now_ms()
-    next_id = _last_event_id(db) + 1
     events: list[list[JobEvent]] = []
     event_rows: list[tuple[Any, ...]] = []
     for record, text in zip(records, texts, strict=True):
@@ -66,9 +81,10 @@ def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> lis
             types.append(JobEventType.STATUS)
         own = []
         for type_ in types:
+            event_id = next(event_ids)
             own.append(
                 JobEvent(
-                    id=next_id,
+                    id=event_id,
                     type=type_,
                     submission_id=record.submission_id,
                     tenant=record.tenant,
@@ -80,7 +96,7 @@ def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> lis
             )
             event_rows.append(
                 (
-                    next_id,
+                    event_id,
                     type_.value,
                     record.submission_id,
                     record.tenant,
@@ -90,17 +106,32 @@ def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> lis
                     text,
                 )
             )
-            next_id += 1
         events.append(own)
-    _insert_many_rows(db, "events", _EVENT_COLUMNS, event_rows)
-    return events
+    return NewRows(jobs=job_rows, metadata=metadata, events=event_rows, events_of_each=events)
+
+
+def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
+    """Insert the rows of new jobs, their metadata and their events (SUBMITTED, and STATUS for
+    one imported mid-life), in the order given; each record's events. sqlite3.IntegrityError if
+    an id is taken: the caller rolls back to its savepoint (part may have been inserted)."""
+    rows = plan_new_rows(records, itertools.count(_last_event_id(db) + 1))
+    _insert_many_rows(db, "jobs", JOB_COLUMNS, rows.jobs)
+    if rows.metadata:
+        db.executemany(METADATA_INSERT, rows.metadata)
+    _insert_many_rows(db, "events", EVENT_COLUMNS, rows.events)
+    return rows.events_of_each
+
+
+def values_placeholders(row_count: int, column_count: int) -> str:
+    """`(?, ?), (?, ?)`: the VALUES of a multi-row INSERT."""
+    return ", ".join(["(" + ", ".join("?" * column_count) + ")"] * row_count)
 
 
 def _insert_many_rows(
     db: sqlite3.Connection, table: str, columns: str, rows: Sequence[tuple[Any, ...]]
 ) -> None:
     for chunk in _chunks(rows, ROWS_PER_STATEMENT):
-        placeholders = ", ".join(["(" + ", ".join("?" * len(chunk[0])) + ")"] * len(chunk))
+        placeholders = values_placeholders(len(chunk), len(chunk[0]))
         db.execute(
             f"INSERT INTO {table} ({columns}) VALUES {placeholders}",
             [value for row in chunk for value in row],

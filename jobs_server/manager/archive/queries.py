@@ -47,24 +47,65 @@ class UnknownCursorError(Exception):
     """The `after` job of a page is not in the archive."""
 
 
+# The statements both stores run, with `?` for each parameter (PostgreSQL's store writes them
+# as `%s`: postgres.pyformat). A statement that depends on the query is built by a function
+# here (`select_jobs`, ...), and run by the store's own thin function.
+GET_JOB = "SELECT record FROM jobs WHERE submission_id = ?"
+COUNT_BY_STATUS = "SELECT status, COUNT(*) FROM jobs GROUP BY status"
+UNFINISHED_JOBS = (
+    f"SELECT record FROM jobs WHERE status IN ({', '.join('?' * len(_UNFINISHED))}) ORDER BY seq"
+)
+UNFINISHED_JOBS_PARAMETERS = _UNFINISHED
+EVENTS_AFTER = (
+    "SELECT id, type, submission_id, tenant, status, message, time, record"
+    " FROM events WHERE id > ? ORDER BY id LIMIT ?"
+)
+EVENT_ID_RANGE = "SELECT MIN(id), MAX(id) FROM events"
+WAS_DELETED = "SELECT 1 FROM deleted_runs WHERE submission_id = ? AND run_id = ?"
+# The oldest events beyond the newest `?` (the id is the primary key: a range delete).
+TRIM_EVENTS = "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?"
+# The runs deleted are remembered, the newest `?` of them.
+TRIM_DELETED_RUNS = "DELETE FROM deleted_runs WHERE seq <= (SELECT MAX(seq) FROM deleted_runs) - ?"
+# What an update reads and writes of the run (submission_id, run_id).
+RUN_STATE = "SELECT status, record, tenant FROM jobs WHERE submission_id = ? AND run_id = ?"
+UPDATE_RUN = (
+    "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
+    " WHERE submission_id = ? AND run_id = ?"
+)
+DELETE_JOB = "DELETE FROM jobs WHERE submission_id = ?"
+JOB_RUN_AND_TENANT = "SELECT run_id, tenant FROM jobs WHERE submission_id = ?"
+INSERT_EVENT_COLUMNS = "type, submission_id, tenant, status, message, time, record"
+
+
 def get_job(
     db: sqlite3.Connection, submission_id: str, parse: RecordParser = parse_record
 ) -> JobRecord | None:
-    row = db.execute("SELECT record FROM jobs WHERE submission_id = ?", (submission_id,)).fetchone()
+    row = db.execute(GET_JOB, (submission_id,)).fetchone()
     return None if row is None else parse(row[0])
 
 
 def count_by_status(db: sqlite3.Connection) -> dict[JobStatus, int]:
-    rows = db.execute("SELECT status, COUNT(*) FROM jobs GROUP BY status")
-    return {JobStatus(status): count for status, count in rows.fetchall()}
+    return status_counts(db.execute(COUNT_BY_STATUS).fetchall())
+
+
+def status_counts(rows: list[tuple[str, int]]) -> dict[JobStatus, int]:
+    return {JobStatus(status): count for status, count in rows}
 
 
 def count_by_tenant(db: sqlite3.Connection, tenant: str | None) -> dict[str, dict[JobStatus, int]]:
+    return tenant_counts(db.execute(*count_by_tenant_select(tenant)).fetchall())
+
+
+def count_by_tenant_select(tenant: str | None) -> tuple[str, list[Any]]:
     sql, parameters = "SELECT tenant, status, COUNT(*) FROM jobs", []
     if tenant is not None:
         sql, parameters = sql + " WHERE tenant = ?", [tenant]
+    return sql + " GROUP BY tenant, status", parameters
+
+
+def tenant_counts(rows: list[tuple[str, str, int]]) -> dict[str, dict[JobStatus, int]]:
     counts: dict[str, dict[JobStatus, int]] = {}
-    for row_tenant, status, count in db.execute(sql + " GROUP BY tenant, status", parameters):
+    for row_tenant, status, count in rows:
         counts.setdefault(row_tenant, {})[JobStatus(status)] = count
     return counts
 
@@ -81,35 +122,49 @@ def counts_and_unfinished_of(
     try:
         counts = count_by_tenant(db, tenant)
         records = []
-        ordered = sorted(ids)
-        for start in range(0, len(ordered), _IDS_PER_STATEMENT):
-            chunk = ordered[start : start + _IDS_PER_STATEMENT]
-            sql = (
-                f"SELECT record FROM jobs WHERE submission_id IN ({', '.join('?' * len(chunk))})"
-                f" AND status IN ({', '.join('?' * len(_UNFINISHED))})"
-            )
-            parameters: list[Any] = [*chunk, *_UNFINISHED]
-            if tenant is not None:
-                sql, parameters = sql + " AND tenant = ?", [*parameters, tenant]
-            records += [parse(text) for (text,) in db.execute(sql, parameters)]
+        for select in unfinished_of_selects(tenant, ids):
+            records += [parse(text) for (text,) in db.execute(*select)]
     finally:
         db.execute("COMMIT")  # a read: nothing to write
     return counts, records
 
 
+def unfinished_of_selects(tenant: str | None, ids: frozenset[str]) -> list[tuple[str, list[Any]]]:
+    """The SELECTs of the records of the unfinished jobs `ids` (of `tenant`, if given), a chunk
+    of ids each."""
+    selects = []
+    ordered = sorted(ids)
+    for start in range(0, len(ordered), _IDS_PER_STATEMENT):
+        chunk = ordered[start : start + _IDS_PER_STATEMENT]
+        sql = (
+            f"SELECT record FROM jobs WHERE submission_id IN ({', '.join('?' * len(chunk))})"
+            f" AND status IN ({', '.join('?' * len(_UNFINISHED))})"
+        )
+        parameters: list[Any] = [*chunk, *_UNFINISHED]
+        if tenant is not None:
+            sql, parameters = sql + " AND tenant = ?", [*parameters, tenant]
+        selects.append((sql, parameters))
+    return selects
+
+
 def unfinished_jobs(db: sqlite3.Connection) -> list[JobRecord]:
-    rows = db.execute(
-        "SELECT record FROM jobs WHERE status IN (?, ?) ORDER BY seq", _UNFINISHED
-    ).fetchall()
+    rows = db.execute(UNFINISHED_JOBS, UNFINISHED_JOBS_PARAMETERS).fetchall()
     return [JobRecord.model_validate_json(text) for (text,) in rows]
 
 
 def seq_of(db: sqlite3.Connection, after: str, tenant: str | None = None) -> int:
+    return seq_of_row(db.execute(*seq_of_select(after, tenant)).fetchone(), after)
+
+
+def seq_of_select(after: str, tenant: str | None) -> tuple[str, list[Any]]:
     # A cursor of another tenant's job is as unknown as one that never existed.
     sql, parameters = "SELECT seq FROM jobs WHERE submission_id = ?", [after]
     if tenant is not None:
         sql, parameters = sql + " AND tenant = ?", [after, tenant]
-    row = db.execute(sql, parameters).fetchone()
+    return sql, parameters
+
+
+def seq_of_row(row: tuple[Any, ...] | None, after: str) -> int:
     if row is None:
         raise UnknownCursorError(after)
     return int(row[0])
@@ -137,6 +192,13 @@ def window_of_jobs(
     """Up to `limit` jobs of `query` after `after_seq`, whether more follow, and the seq of
     the last one (where the next window starts; None if none was read)."""
     rows = _rows(db, query, after_seq, None if limit is None else limit + 1)
+    return window_of_rows(rows, limit, parse)
+
+
+def window_of_rows(
+    rows: list[tuple[int, str]], limit: int | None, parse: RecordParser
+) -> tuple[list[JobRecord], bool, int | None]:
+    """A window of `rows` read with `limit + 1` (the one beyond says whether more follow)."""
     more = limit is not None and len(rows) > limit
     rows = rows[:limit]
     last_seq = rows[-1][0] if rows else None
@@ -156,38 +218,59 @@ def expired_jobs(
     limit: int,
     tenant: str | None = None,
 ) -> list[JobRecord]:
+    newest_kept = None
+    if keep_newest is not None:
+        row = db.execute(*newest_kept_select(keep_newest, tenant)).fetchone()
+        newest_kept = None if row is None else int(row[0])
+    select = expired_select(older_than_ms, newest_kept, limit, tenant)
+    if select is None:
+        return []
+    return [JobRecord.model_validate_json(text) for (text,) in db.execute(*select).fetchall()]
+
+
+def _of_tenant(tenant: str | None) -> tuple[str, list[Any]]:
     # Of one tenant: its own newest are kept (the tenant's index orders them by seq).
-    of_tenant, tenant_parameters = ("", []) if tenant is None else (" AND tenant = ?", [tenant])
+    return ("", []) if tenant is None else (" AND tenant = ?", [tenant])
+
+
+def newest_kept_select(keep_newest: int, tenant: str | None) -> tuple[str, list[Any]]:
+    """The SELECT of the seq of the oldest job beyond the newest `keep_newest` (no row: none)."""
+    of_tenant, tenant_parameters = _of_tenant(tenant)
+    return (
+        f"SELECT seq FROM jobs WHERE 1 = 1{of_tenant} ORDER BY seq DESC LIMIT 1 OFFSET ?",
+        [*tenant_parameters, keep_newest],
+    )
+
+
+def expired_select(
+    older_than_ms: int | None, newest_kept: int | None, limit: int, tenant: str | None
+) -> tuple[str, list[Any]] | None:
+    """The SELECT of the finished jobs that ended before `older_than_ms` or are at or before
+    the seq `newest_kept` (None: nothing expires)."""
+    of_tenant, tenant_parameters = _of_tenant(tenant)
     clauses = []
     parameters: list[Any] = [*_TERMINAL, *tenant_parameters]
     if older_than_ms is not None:
         clauses.append("end_time < ?")
         parameters.append(older_than_ms)
-    if keep_newest is not None:
-        row = db.execute(
-            f"SELECT seq FROM jobs WHERE 1 = 1{of_tenant} ORDER BY seq DESC LIMIT 1 OFFSET ?",
-            [*tenant_parameters, keep_newest],
-        ).fetchone()
-        if row is not None:
-            clauses.append("seq <= ?")
-            parameters.append(row[0])
+    if newest_kept is not None:
+        clauses.append("seq <= ?")
+        parameters.append(newest_kept)
     if not clauses:
-        return []
+        return None
     parameters.append(limit)
-    rows = db.execute(
-        f"SELECT record FROM jobs WHERE status IN (?, ?, ?){of_tenant} AND"
-        f" ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
+    return (
+        f"SELECT record FROM jobs WHERE status IN ({', '.join('?' * len(_TERMINAL))}){of_tenant}"
+        f" AND ({' OR '.join(clauses)}) ORDER BY seq LIMIT ?",
         parameters,
-    ).fetchall()
-    return [JobRecord.model_validate_json(text) for (text,) in rows]
+    )
 
 
 def events_after(db: sqlite3.Connection, after_id: int, limit: int) -> list[JobEvent]:
-    rows = db.execute(
-        "SELECT id, type, submission_id, tenant, status, message, time, record"
-        " FROM events WHERE id > ? ORDER BY id LIMIT ?",
-        (after_id, limit),
-    ).fetchall()
+    return events_of_rows(db.execute(EVENTS_AFTER, (after_id, limit)).fetchall())
+
+
+def events_of_rows(rows: list[tuple[Any, ...]]) -> list[JobEvent]:
     return [
         JobEvent(
             id=id_,
@@ -204,8 +287,12 @@ def events_after(db: sqlite3.Connection, after_id: int, limit: int) -> list[JobE
 
 
 def event_id_range(db: sqlite3.Connection) -> tuple[int, int]:
-    oldest, newest = db.execute("SELECT MIN(id), MAX(id) FROM events").fetchone()
-    if newest is None:
+    return id_range(db.execute(EVENT_ID_RANGE).fetchone())
+
+
+def id_range(row: tuple[int | None, int | None]) -> tuple[int, int]:
+    oldest, newest = row
+    if oldest is None or newest is None:
         return 0, 0
     return oldest, newest
 
@@ -214,20 +301,33 @@ def _rows(
     db: sqlite3.Connection, query: JobQuery, after_seq: int | None, limit: int | None
 ) -> list[tuple[int, str]]:
     """The (seq, record) rows of `query` after `after_seq`, in its order, at most `limit`."""
-    if query.statuses is not None and len(query.live_ids) > MAX_LIVE_IDS:
-        # Past what one statement may bind: every unfinished row instead (a superset).
-        wider = query.statuses | {JobStatus(status) for status in _UNFINISHED}
-        query = replace(query, statuses=frozenset(wider), live_ids=frozenset())
-    rows: list[tuple[int, str]] = db.execute(*_select(query, after_seq, limit)).fetchall()
+    query = bounded_live_ids(query)
+    rows: list[tuple[int, str]] = db.execute(*select_jobs(query, after_seq, limit)).fetchall()
     if query.statuses is None or not query.live_ids:
         return rows
-    # Two indexed reads merged, not one OR: SQLite plans that as a scan of the whole history.
-    live = db.execute(*_select(query, after_seq, limit, ids=query.live_ids)).fetchall()
+    live = db.execute(*select_jobs(query, after_seq, limit, ids=query.live_ids)).fetchall()
+    return merge_rows(query, rows, live, limit)
+
+
+def bounded_live_ids(query: JobQuery) -> JobQuery:
+    """`query`, or past what one statement may bind, every unfinished row instead of the live
+    ids (a superset)."""
+    if query.statuses is not None and len(query.live_ids) > MAX_LIVE_IDS:
+        wider = query.statuses | {JobStatus(status) for status in _UNFINISHED}
+        return replace(query, statuses=frozenset(wider), live_ids=frozenset())
+    return query
+
+
+def merge_rows(
+    query: JobQuery, rows: list[tuple[int, str]], live: list[tuple[int, str]], limit: int | None
+) -> list[tuple[int, str]]:
+    """The rows of a status filter and of its live ids, merged in the query's order. Two
+    indexed reads merged, not one OR: SQLite plans that as a scan of the whole history."""
     merged = sorted(dict(rows + live).items(), reverse=query.descending)
     return merged if limit is None else merged[:limit]
 
 
-def _select(
+def select_jobs(
     query: JobQuery, after_seq: int | None, limit: int | None, ids: frozenset[str] | None = None
 ) -> tuple[str, list[Any]]:
     """The SELECT of (seq, record) for `query` (for the jobs `ids` whatever their status, if

@@ -270,10 +270,7 @@ class Archive:
     def _update(
         self, db: sqlite3.Connection, record: JobRecord
     ) -> tuple[JobRecord | None, list[JobEvent]]:
-        row = db.execute(
-            "SELECT status, record, tenant FROM jobs WHERE submission_id = ? AND run_id = ?",
-            (record.submission_id, record.run_id),
-        ).fetchone()
+        row = db.execute(queries.RUN_STATE, (record.submission_id, record.run_id)).fetchone()
         if row is None:
             return None, []
         status, stored, tenant = row
@@ -281,8 +278,7 @@ class Archive:
             return JobRecord.model_validate_json(stored), []
         text = record.model_dump_json()
         db.execute(
-            "UPDATE jobs SET status = ?, start_time = ?, end_time = ?, record = ?"
-            " WHERE submission_id = ? AND run_id = ?",
+            queries.UPDATE_RUN,
             (
                 record.status.value,
                 record.start_time,
@@ -308,20 +304,15 @@ class Archive:
     def _delete(
         self, db: sqlite3.Connection, submission_id: str, run_id: str | None
     ) -> tuple[bool, list[JobEvent]]:
-        row = db.execute(
-            "SELECT run_id, tenant FROM jobs WHERE submission_id = ?", (submission_id,)
-        ).fetchone()
+        row = db.execute(queries.JOB_RUN_AND_TENANT, (submission_id,)).fetchone()
         if row is None or (run_id is not None and row[0] != run_id):
             return False, []
-        db.execute("DELETE FROM jobs WHERE submission_id = ?", (submission_id,))
+        db.execute(queries.DELETE_JOB, (submission_id,))
         db.execute(
             "INSERT OR IGNORE INTO deleted_runs (submission_id, run_id) VALUES (?, ?)",
             (submission_id, row[0]),
         )
-        db.execute(
-            "DELETE FROM deleted_runs WHERE seq <= (SELECT MAX(seq) FROM deleted_runs) - ?",
-            (MAX_DELETED_RUNS,),
-        )
+        db.execute(queries.TRIM_DELETED_RUNS, (MAX_DELETED_RUNS,))
         event = self._add_event(
             db, JobEventType.DELETED, submission_id, row[1], None, None, None, None
         )
@@ -354,8 +345,7 @@ class Archive:
         """Add an event; `text`: the JSON of `record` (None without one)."""
         time = now_ms()
         cursor = db.execute(
-            "INSERT INTO events (type, submission_id, tenant, status, message, time, record)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO events ({queries.INSERT_EVENT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
             (
                 type_.value,
                 submission_id,
@@ -379,11 +369,7 @@ class Archive:
         )
 
     def _trim_events(self, db: sqlite3.Connection) -> None:
-        # The id is the primary key: this is a range delete of the oldest, not a scan.
-        db.execute(
-            "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?",
-            (self._max_events,),
-        )
+        db.execute(queries.TRIM_EVENTS, (self._max_events,))
 
     # -- reads (archive_queries.py) --------------------------------------------------------
 
@@ -480,11 +466,7 @@ class Archive:
 
 
 def _run_was_deleted(db: sqlite3.Connection, submission_id: str, run_id: str) -> bool:
-    row = db.execute(
-        "SELECT 1 FROM deleted_runs WHERE submission_id = ? AND run_id = ?",
-        (submission_id, run_id),
-    ).fetchone()
-    return row is not None
+    return db.execute(queries.WAS_DELETED, (submission_id, run_id)).fetchone() is not None
 
 
 def archive_path(state_dir: Path) -> Path:
