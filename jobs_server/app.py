@@ -45,8 +45,8 @@ from jobs_server.manager import (
 )
 from jobs_server.manager.archive.event_feed import EventFeed
 from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.interface import create_archive
 from jobs_server.manager.archive.retention import RetentionPolicy
-from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.tenancy import RunAs
@@ -192,8 +192,11 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
 
     # 0700, before anything is written there: a job must not read the archive or other logs.
     prepare_state_dirs(settings.state_dir, settings.log_dir)
-    archive = Archive(
-        archive_path(settings.state_dir), on_events=on_events, parse=caching_record_parser()
+    archive = create_archive(
+        None if settings.database_url is None else settings.database_url.get_secret_value(),
+        settings.state_dir,
+        on_events=on_events,
+        parse=caching_record_parser(),
     )
     event_feed = EventFeed(archive)
     await archive.open()

@@ -8,6 +8,8 @@ from pathlib import Path
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from jobs_server.manager.archive.interface import is_postgres_url
+
 DEFAULT_PORT = 8266
 DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "jobs-server"
 LOG_DIR_NAME = "logs"
@@ -55,6 +57,14 @@ class Settings(BaseSettings):
     log_dir: Path = Field(
         DEFAULT_STATE_DIR / LOG_DIR_NAME,
         description="Directory that holds the jobs' log files (default: <state-dir>/logs).",
+    )
+    database_url: SecretStr | None = Field(
+        None,
+        description=(
+            "The job history in PostgreSQL: postgresql://USER@HOST:PORT/DATABASE (a password"
+            " is best in PGPASSWORD or ~/.pgpass: a flag shows in ps). Unset: SQLite at"
+            " <state-dir>/jobs.db. Its schema is migrated at start."
+        ),
     )
     stop_grace_s: float = Field(
         5.0,
@@ -258,6 +268,13 @@ class Settings(BaseSettings):
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not is_postgres_url(value.get_secret_value()):
+            raise ValueError("must start with postgresql:// (or postgres://)")
         return value
 
     @field_validator("forwarded_allow_ips")

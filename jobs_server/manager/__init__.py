@@ -1,6 +1,7 @@
 """The job manager: everything between the HTTP routes and the Ray cluster (no aiohttp here)."""
 
 from jobs_server.manager.api import Backend, DriverFinderApi, JobManagerApi, PackageStoreApi
+from jobs_server.manager.archive.interface import JobArchive, create_archive
 from jobs_server.manager.archive.sqlite import Archive, JobQuery
 from jobs_server.manager.cluster.dashboard_registration import (
     DashboardRegistration,
@@ -29,6 +30,7 @@ __all__ = [
     "ClusterInfo",
     "DashboardRegistration",
     "DriverFinderApi",
+    "JobArchive",
     "JobErrorType",
     "JobManager",
     "JobManagerApi",
@@ -44,6 +46,7 @@ __all__ = [
     "RayDriver",
     "RayDrivers",
     "connect_to_ray",
+    "create_archive",
     "disconnect_from_ray",
     "new_submission_id",
     "package_uri",

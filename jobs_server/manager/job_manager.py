@@ -21,9 +21,10 @@ from jobs_server.errors import (
 )
 from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
-from jobs_server.manager.archive.sqlite import Archive, JobQuery, UnknownCursorError
+from jobs_server.manager.archive.sqlite import JobQuery, UnknownCursorError
 from jobs_server.manager.cluster.resources import ClusterResources
 from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.launcher import Launcher
@@ -73,7 +74,7 @@ class JobManager:
         *,
         gcs_address: str,
         namespace: str,
-        archive: Archive,
+        archive: JobArchive,
         event_feed: EventFeed,
         log_dir: Path,
         stop_grace_s: float,
@@ -200,7 +201,7 @@ class JobManager:
         self._dispatcher.fill()
 
     @property
-    def archive(self) -> Archive:
+    def archive(self) -> JobArchive:
         return self._archive
 
     async def close(self) -> None:

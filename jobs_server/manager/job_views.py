@@ -13,7 +13,8 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.archive.sqlite import Archive, JobQuery
+from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.sqlite import JobQuery
 from jobs_server.manager.cluster.resources import ClusterResources
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.queue.admission import JobQueue
@@ -28,7 +29,7 @@ class JobViews:
     def __init__(
         self,
         *,
-        archive: Archive,
+        archive: JobArchive,
         store: JobStore,
         queue: JobQueue,
         cluster_resources: ClusterResources,

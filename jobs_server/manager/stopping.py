@@ -15,7 +15,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError, SupervisorUnreachableError
-from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.live.history import JobHistory
 from jobs_server.manager.live.store import JobStore
@@ -47,7 +47,7 @@ class JobStopper:
         *,
         store: JobStore,
         history: JobHistory,
-        archive: Archive,
+        archive: JobArchive,
         supervisors: Supervisors,
         dispatcher: Dispatcher,
         ends: DeferredEnds,

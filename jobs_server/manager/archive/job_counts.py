@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobStatus
 
@@ -15,7 +15,7 @@ Counts = dict[str, dict[JobStatus, int]]
 
 
 async def count_jobs_by_tenant(
-    archive: Archive, store: JobStore, tenant: str | None, *, live_ids: frozenset[str]
+    archive: JobArchive, store: JobStore, tenant: str | None, *, live_ids: frozenset[str]
 ) -> Counts:
     """The archive's counts (of `tenant` only, if given), with the live jobs as the KV has them
     now (the archive learns a status a moment after the KV: this is what a list would show).

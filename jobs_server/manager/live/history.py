@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError
-from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord
 
@@ -29,7 +29,7 @@ RETRY_MAX_S = 10.0
 class JobHistory:
     """Copies what the KV says of a run into the archive."""
 
-    def __init__(self, *, store: JobStore, archive: Archive) -> None:
+    def __init__(self, *, store: JobStore, archive: JobArchive) -> None:
         self._store = store
         self._archive = archive
         # Per id: removing a run from the KV checks the archive, then deletes; a delete of the

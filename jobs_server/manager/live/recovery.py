@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError, JobNotFoundError
-from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.live.history import JobHistory
 from jobs_server.manager.live.kv import retried
@@ -52,7 +52,7 @@ class Recovery:
         self,
         *,
         store: JobStore,
-        archive: Archive,
+        archive: JobArchive,
         history: JobHistory,
         supervisors: Supervisors,
         launcher: Launcher,

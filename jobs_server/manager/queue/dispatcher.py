@@ -28,7 +28,7 @@ import ray
 
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
-from jobs_server.manager.archive.sqlite import Archive
+from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.live.history import JobHistory
@@ -71,7 +71,7 @@ class Dispatcher:
         queue: JobQueue,
         store: JobStore,
         history: JobHistory,
-        archive: Archive,
+        archive: JobArchive,
         ends: DeferredEnds,
         launcher: Launcher,
         watchers: JobWatchers,
