@@ -2,24 +2,23 @@
 the window of events the archive keeps gets a `reset` (list again), never the oldest kept event
 as if it came next. Injected: a slow subscriber whose buffer overflows while the window moves
 past its cursor, and a resume whose `after` falls out of the window while it is being read.
-On the real archive (SQLite, its own trimming), and through the HTTP stream."""
+On the real archive (SQLite and PostgreSQL, their own trimming), and through the HTTP stream."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from jobs_server.manager.archive import event_feed as event_feed_module
 from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.archive.events import JobEvent, JobEventType
-from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.manager.records import JobRecord, JobSpec, new_run_id
 from tests.support.api import Client
 from tests.support.fakes import FakeJobManager
+from tests.support.postgres import ArchiveFactory
 from tests.support.sse import READ_TIMEOUT_S, SseReader, wait_subscribed
 
 KEPT_EVENTS = 20
@@ -30,8 +29,8 @@ Item = JobEvent | FeedReset | None
 class FeedOnArchive:
     """A real archive that keeps KEPT_EVENTS events, and the feed it wakes."""
 
-    def __init__(self, path: Path) -> None:
-        self.archive = Archive(path, on_events=self._publish, max_events=KEPT_EVENTS)
+    def __init__(self, archive_factory: ArchiveFactory) -> None:
+        self.archive = archive_factory(on_events=self._publish, max_events=KEPT_EVENTS)
         self.feed = EventFeed(self.archive)
         self._count = 0
 
@@ -49,8 +48,8 @@ class FeedOnArchive:
 
 
 @pytest.fixture
-async def on_archive(tmp_path: Path) -> AsyncIterator[FeedOnArchive]:
-    feed = FeedOnArchive(archive_path(tmp_path / "state"))
+async def on_archive(archive_factory: ArchiveFactory) -> AsyncIterator[FeedOnArchive]:
+    feed = FeedOnArchive(archive_factory)
     await feed.archive.open()
     yield feed
     await feed.archive.close()

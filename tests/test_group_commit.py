@@ -1,20 +1,21 @@
-"""Group commit (jobs_server/manager/archive/group_commit.py) through the archive, on a real file:
+"""Group commit (jobs_server/manager/archive/group_commit.py, and PostgreSQL's in postgres.py)
+through the archive, on a real file and on a real PostgreSQL:
 writes made at once share transactions, each answered once committed; a failing write fails alone;
 rows and events keep the order of the calls; what was answered is on disk for the next reader."""
 
 from __future__ import annotations
 
 import asyncio
-import sqlite3
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 
 from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive.events import JobEvent
-from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
+from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.queries import JobQuery
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+from tests.support.postgres import ArchiveFactory, committed_rows
 
 
 def record(submission_id: str) -> JobRecord:
@@ -24,9 +25,9 @@ def record(submission_id: str) -> JobRecord:
 
 
 @pytest.fixture
-async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
+async def archive(archive_factory: ArchiveFactory) -> AsyncIterator[JobArchive]:
     published: list[JobEvent] = []
-    archive = Archive(archive_path(tmp_path / "state"), on_events=published.extend)
+    archive = archive_factory(on_events=published.extend)
     archive.published = published  # type: ignore[attr-defined]
     await archive.open()
     yield archive
@@ -34,7 +35,7 @@ async def archive(tmp_path: Path) -> AsyncIterator[Archive]:
 
 
 async def test_writes_at_once_commit_together_in_call_order_and_a_duplicate_fails_alone(
-    archive: Archive, tmp_path: Path
+    archive: JobArchive,
 ) -> None:
     await archive.insert(record("taken"))
     names = [f"job-{n:03d}" for n in range(100)]
@@ -45,15 +46,16 @@ async def test_writes_at_once_commit_together_in_call_order_and_a_duplicate_fail
     assert [type(outcome) for outcome in outcomes].count(DuplicateJobError) == 1
     assert isinstance(outcomes[50], DuplicateJobError)
     # Every answered write is on disk: another connection reads them, in the order called.
-    with sqlite3.connect(archive_path(tmp_path / "state")) as other:
-        rows = [row[0] for row in other.execute("SELECT submission_id FROM jobs ORDER BY seq")]
+    rows = [
+        row[0] for row in committed_rows(archive, "SELECT submission_id FROM jobs ORDER BY seq")
+    ]
     assert rows == ["taken", *(name for name in names if name != "taken")]
     published = archive.published  # type: ignore[attr-defined]
     assert [event.submission_id for event in published] == rows
     assert [event.id for event in published] == sorted(event.id for event in published)
 
 
-async def test_updates_and_deletes_share_batches_with_inserts(archive: Archive) -> None:
+async def test_updates_and_deletes_share_batches_with_inserts(archive: JobArchive) -> None:
     first = record("first")
     await archive.insert(first)
     running = first.with_changes(status=JobStatus.RUNNING)
@@ -75,9 +77,7 @@ async def test_updates_and_deletes_share_batches_with_inserts(archive: Archive) 
     assert await archive.update(first.with_changes(status=JobStatus.FAILED)) == ended
 
 
-async def test_new_jobs_added_together_are_as_if_added_one_by_one(
-    archive: Archive, tmp_path: Path
-) -> None:
+async def test_new_jobs_added_together_are_as_if_added_one_by_one(archive: JobArchive) -> None:
     """A batch adds its new jobs in one statement per table (new_rows.py): their metadata,
     an imported job's second event, the events' numbers in call order, and two submits of one
     new id in the same batch (the first wins)."""
@@ -94,10 +94,13 @@ async def test_new_jobs_added_together_are_as_if_added_one_by_one(
     assert [index for index, outcome in enumerate(outcomes) if outcome is not None] == [40]
     assert isinstance(outcomes[40], DuplicateJobError)
     added = [job.submission_id for index, job in enumerate(burst) if index != 40]
-    with sqlite3.connect(archive_path(tmp_path / "state")) as other:
-        rows = [row[0] for row in other.execute("SELECT submission_id FROM jobs ORDER BY seq")]
-        stored_events = other.execute("SELECT id, type, submission_id FROM events ORDER BY id")
-        stored = [(row[1], row[2]) for row in stored_events]
+    rows = [
+        row[0] for row in committed_rows(archive, "SELECT submission_id FROM jobs ORDER BY seq")
+    ]
+    stored_events = committed_rows(
+        archive, "SELECT id, type, submission_id FROM events ORDER BY id"
+    )
+    stored = [(row[1], row[2]) for row in stored_events]
     assert rows == ["before", *added]
     expected = [("submitted", name) for name in ["before", *added]]
     expected.insert(expected.index(("submitted", "imported")) + 1, ("status", "imported"))
@@ -111,9 +114,9 @@ async def test_new_jobs_added_together_are_as_if_added_one_by_one(
 
 
 async def test_event_numbers_added_together_are_never_reused_after_trimming(
-    tmp_path: Path,
+    archive_factory: ArchiveFactory,
 ) -> None:
-    archive = Archive(archive_path(tmp_path / "state"), max_events=5)
+    archive = archive_factory(max_events=5)
     await archive.open()
     try:
         numbers: list[int] = []

@@ -13,17 +13,21 @@ import os
 import pwd
 import shutil
 import signal
+import sqlite3
 import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
 
 from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.postgres import PostgresArchive
+from jobs_server.manager.archive.sqlite import Archive
 from tests.support.processes import accepts_connections, free_port, wait_until
 
 # Makes an archive (not yet open) of the test's store, keywords to its constructor; every one it
@@ -69,6 +73,16 @@ class PostgresServer:
         name = url.rsplit("/", 1)[1]
         with psycopg.connect(self.url(), autocommit=True) as db:
             db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def committed_rows(archive: JobArchive, sql: str) -> list[tuple[Any, ...]]:
+    """What a new connection of its own reads from the archive's database (what is committed)."""
+    if isinstance(archive, Archive):
+        with contextlib.closing(sqlite3.connect(archive.path)) as db:
+            return db.execute(sql).fetchall()
+    assert isinstance(archive, PostgresArchive)
+    with psycopg.connect(archive._url) as db:
+        return db.execute(sql).fetchall()
 
 
 def _as_server_user(command: list[str]) -> list[str]:

@@ -36,24 +36,66 @@ METADATA_INSERT = (
 
 @dataclass(frozen=True)
 class NewRows:
-    """The rows of new jobs, as both stores insert them (their statements are `JOBS_INSERT`,
-    `METADATA_INSERT` and `EVENTS_INSERT`), and each record's events."""
+    """The rows of new jobs and of their metadata, as both stores insert them (`JOB_COLUMNS`,
+    `METADATA_INSERT`), and their events once the store has numbered them (`numbered_events`):
+    PostgreSQL's takes the ids after the jobs' rows went in, so a taken id costs no number."""
 
+    records: Sequence[JobRecord]
+    texts: list[str]
     jobs: list[tuple[Any, ...]]
     metadata: list[tuple[Any, ...]]
-    events: list[tuple[Any, ...]]
-    events_of_each: list[list[JobEvent]]
+
+    @property
+    def event_count(self) -> int:
+        """SUBMITTED for each, and STATUS for one imported mid-life."""
+        return sum(1 if record.status is JobStatus.PENDING else 2 for record in self.records)
+
+    def numbered_events(
+        self, first_event_id: int
+    ) -> tuple[list[tuple[Any, ...]], list[list[JobEvent]]]:
+        """The events' rows (`EVENT_COLUMNS`), numbered on from `first_event_id` in the order
+        given, and each record's events."""
+        time = now_ms()
+        event_ids = itertools.count(first_event_id)
+        events: list[list[JobEvent]] = []
+        event_rows: list[tuple[Any, ...]] = []
+        for record, text in zip(self.records, self.texts, strict=True):
+            types = [JobEventType.SUBMITTED]
+            if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
+                types.append(JobEventType.STATUS)
+            own = []
+            for type_ in types:
+                event_id = next(event_ids)
+                own.append(
+                    JobEvent(
+                        id=event_id,
+                        type=type_,
+                        submission_id=record.submission_id,
+                        tenant=record.tenant,
+                        status=record.status,
+                        message=record.message,
+                        time=time,
+                        record=record,
+                    )
+                )
+                event_rows.append(
+                    (
+                        event_id,
+                        type_.value,
+                        record.submission_id,
+                        record.tenant,
+                        record.status.value,
+                        record.message,
+                        time,
+                        text,
+                    )
+                )
+            events.append(own)
+        return event_rows, events
 
 
-def event_count(records: Sequence[JobRecord]) -> int:
-    """How many events the new jobs `records` make: SUBMITTED, and STATUS for one imported
-    mid-life."""
-    return sum(1 if record.status is JobStatus.PENDING else 2 for record in records)
-
-
-def plan_new_rows(records: Sequence[JobRecord], event_ids: Iterator[int]) -> NewRows:
-    """The rows of new jobs, their metadata and their events, in the order given, the events
-    numbered from `event_ids` (increasing)."""
+def plan_new_rows(records: Sequence[JobRecord]) -> NewRows:
+    """The rows of new jobs and their metadata, in the order given."""
     texts = [record.model_dump_json() for record in records]
     job_rows = [
         (
@@ -72,54 +114,20 @@ def plan_new_rows(records: Sequence[JobRecord], event_ids: Iterator[int]) -> New
         for record in records
         for key, value in record.spec.metadata.items()
     ]
-    time = now_ms()
-    events: list[list[JobEvent]] = []
-    event_rows: list[tuple[Any, ...]] = []
-    for record, text in zip(records, texts, strict=True):
-        types = [JobEventType.SUBMITTED]
-        if record.status is not JobStatus.PENDING:  # imported from the KV mid-life
-            types.append(JobEventType.STATUS)
-        own = []
-        for type_ in types:
-            event_id = next(event_ids)
-            own.append(
-                JobEvent(
-                    id=event_id,
-                    type=type_,
-                    submission_id=record.submission_id,
-                    tenant=record.tenant,
-                    status=record.status,
-                    message=record.message,
-                    time=time,
-                    record=record,
-                )
-            )
-            event_rows.append(
-                (
-                    event_id,
-                    type_.value,
-                    record.submission_id,
-                    record.tenant,
-                    record.status.value,
-                    record.message,
-                    time,
-                    text,
-                )
-            )
-        events.append(own)
-    return NewRows(jobs=job_rows, metadata=metadata, events=event_rows, events_of_each=events)
+    return NewRows(records=records, texts=texts, jobs=job_rows, metadata=metadata)
 
 
 def insert_new_rows(db: sqlite3.Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
     """Insert the rows of new jobs, their metadata and their events (SUBMITTED, and STATUS for
     one imported mid-life), in the order given; each record's events. sqlite3.IntegrityError if
     an id is taken: the caller rolls back to its savepoint (part may have been inserted)."""
-    rows = plan_new_rows(records, itertools.count(_last_event_id(db) + 1))
+    rows = plan_new_rows(records)
     _insert_many_rows(db, "jobs", JOB_COLUMNS, rows.jobs)
     if rows.metadata:
         db.executemany(METADATA_INSERT, rows.metadata)
-    _insert_many_rows(db, "events", EVENT_COLUMNS, rows.events)
-    return rows.events_of_each
+    event_rows, events = rows.numbered_events(_last_event_id(db) + 1)
+    _insert_many_rows(db, "events", EVENT_COLUMNS, event_rows)
+    return events
 
 
 def values_placeholders(row_count: int, column_count: int) -> str:

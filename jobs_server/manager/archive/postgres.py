@@ -43,7 +43,6 @@ from jobs_server.manager.archive.new_rows import (
     JOB_COLUMNS,
     METADATA_INSERT,
     ROWS_PER_STATEMENT,
-    event_count,
     plan_new_rows,
     values_placeholders,
 )
@@ -121,8 +120,11 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
 )
 
-_NEXT_EVENT_IDS = (
-    "SELECT nextval(pg_get_serial_sequence('events', 'id')) FROM generate_series(1, %s)"
+# The first of `%s` ids in a row: the sequence moved past them at once (its own statement
+# first: nextval must run before setval reads the new value).
+_RESERVE_EVENT_IDS = (
+    "WITH reserved AS (SELECT nextval(pg_get_serial_sequence('events', 'id')) AS id)"
+    " SELECT id, setval(pg_get_serial_sequence('events', 'id'), id + %s - 1) FROM reserved"
 )
 _REMEMBER_DELETED_RUN = (
     "INSERT INTO deleted_runs (submission_id, run_id) VALUES (%s, %s) ON CONFLICT DO NOTHING"
@@ -532,17 +534,20 @@ async def _migrate(db: Connection) -> None:
 
 
 async def _insert_new_rows(db: Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
-    """new_rows.insert_new_rows for PostgreSQL: the same rows, the events' ids from their
-    sequence (taken under EVENTS_LOCK_KEY: they follow every committed id)."""
-    cursor = await db.execute(_NEXT_EVENT_IDS, (event_count(records),))
-    event_ids = sorted(int(row[0]) for row in await cursor.fetchall())
-    rows = plan_new_rows(records, iter(event_ids))
+    """new_rows.insert_new_rows for PostgreSQL: the same rows; the events' ids reserved from
+    their sequence after the jobs' rows went in (a taken submission_id costs no number), one
+    run of them (no other transaction takes ids meanwhile: EVENTS_LOCK_KEY)."""
+    rows = plan_new_rows(records)
     await _insert_many_rows(db, "jobs", JOB_COLUMNS, rows.jobs)
     if rows.metadata:
         async with db.cursor() as metadata:
             await metadata.executemany(pyformat(METADATA_INSERT), rows.metadata)
-    await _insert_many_rows(db, "events", EVENT_COLUMNS, rows.events)
-    return rows.events_of_each
+    cursor = await db.execute(_RESERVE_EVENT_IDS, (rows.event_count,))
+    reserved = await cursor.fetchone()
+    assert reserved is not None
+    event_rows, events = rows.numbered_events(int(reserved[0]))
+    await _insert_many_rows(db, "events", EVENT_COLUMNS, event_rows)
+    return events
 
 
 async def _insert_many_rows(
