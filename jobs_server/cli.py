@@ -237,12 +237,13 @@ async def _freeze_startup_objects(_: object) -> None:
 
 
 def _forget_secrets_in_environment() -> None:
-    """The token is in Settings now; no child process may inherit it: not an embedded Ray's
-    processes, nor through them the supervisors and every job."""
-    from jobs_server.settings import AUTH_TOKEN_ENV_VAR
+    """The token and the database URL (its password) are in Settings now; no child process
+    may inherit them: not an embedded Ray's processes, nor through them the supervisors and
+    every job."""
+    from jobs_server.settings import SECRET_ENV_VARS
 
     for name in list(os.environ):
-        if name.upper() == AUTH_TOKEN_ENV_VAR:
+        if name.upper() in SECRET_ENV_VARS:
             del os.environ[name]
 
 

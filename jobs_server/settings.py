@@ -15,6 +15,8 @@ DEFAULT_STATE_DIR = Path.home() / ".local" / "state" / "jobs-server"
 LOG_DIR_NAME = "logs"
 # Where the `auth_token` field is read from (pydantic-settings: prefix + name, any case).
 AUTH_TOKEN_ENV_VAR = "JOBS_SERVER_AUTH_TOKEN"
+# The variables whose values are secrets: read into Settings, then gone from the environment.
+SECRET_ENV_VARS = frozenset({AUTH_TOKEN_ENV_VAR, "JOBS_SERVER_DATABASE_URL"})
 RETENTION_MAX_AGE_S = 30 * 24 * 3600
 # Jobs waiting for a slot, by default: each is held in memory (about 2 KiB) besides its archive
 # row, and it stays a tenth of the default retention (live jobs count there, and are never
@@ -61,9 +63,10 @@ class Settings(BaseSettings):
     database_url: SecretStr | None = Field(
         None,
         description=(
-            "The job history in PostgreSQL: postgresql://USER@HOST:PORT/DATABASE (a password"
-            " is best in PGPASSWORD or ~/.pgpass: a flag shows in ps). Unset: SQLite at"
-            " <state-dir>/jobs.db. Its schema is migrated at start."
+            "The job history in PostgreSQL: postgresql://USER[:PASSWORD]@HOST:PORT/DATABASE"
+            " (with a password, set it in the environment, which the server clears at start:"
+            " a flag shows in ps). Unset: SQLite at <state-dir>/jobs.db. Its schema is"
+            " migrated at start."
         ),
     )
     stop_grace_s: float = Field(

@@ -7,6 +7,7 @@ the `archive` fixture (tests/test_archive.py and the retention tests)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import subprocess
 import time
@@ -17,6 +18,7 @@ import psycopg
 import pytest
 import requests
 
+from jobs_server.cli import _forget_secrets_in_environment, load_settings
 from jobs_server.manager.archive import postgres as postgres_module
 from jobs_server.manager.archive.postgres import PostgresArchive
 from jobs_server.manager.archive.queries import JobQuery
@@ -133,6 +135,7 @@ def _start_server(
     return url, process
 
 
+@pytest.mark.slow
 def test_a_server_keeps_its_history_in_postgres_across_a_restart(
     tmp_path: Path, ray_cluster: str, postgres_url: str
 ) -> None:
@@ -167,3 +170,19 @@ def test_a_server_keeps_its_history_in_postgres_across_a_restart(
         assert response.status_code == 409, response.text
     finally:
         stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
+
+
+def test_the_database_url_is_gone_from_the_environment_jobs_inherit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its password is the database's: an embedded Ray's processes, and so every job, inherit
+    the server's environment, where it was read from (as the token is)."""
+    monkeypatch.setenv("JOBS_SERVER_DATABASE_URL", "postgresql://jobs:secret@db/jobs")
+    monkeypatch.setenv("JOBS_SERVER_AUTH_TOKEN", "token")
+    settings = load_settings({})
+    _forget_secrets_in_environment()
+    assert "JOBS_SERVER_DATABASE_URL" not in os.environ
+    assert "JOBS_SERVER_AUTH_TOKEN" not in os.environ
+    assert settings.database_url is not None
+    assert settings.database_url.get_secret_value() == "postgresql://jobs:secret@db/jobs"
+    assert "secret" not in repr(settings)
