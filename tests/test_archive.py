@@ -320,3 +320,27 @@ async def test_counts_come_with_the_unfinished_records_of_the_jobs_named(
     counts, unfinished = await archive.counts_and_unfinished_of(None, named)
     assert counts["b"] == {JobStatus.PENDING: 1}
     assert len(unfinished) == 551
+
+
+async def test_windows_go_on_from_a_position_and_deleted_runs_are_remembered(
+    archive: JobArchive,
+) -> None:
+    """What the list's stream and recovery read: a window from the position of a job (of its
+    tenant only), and whether a run was deleted (a delete of another run deletes nothing)."""
+    jobs = [record(f"job-{index}") for index in range(5)]
+    for job in jobs:
+        await archive.insert(job)
+    position = await archive.seq_of("job-1", None)
+    window, more, last = await archive.window(JobQuery(), after_seq=position, limit=2)
+    assert ([job.submission_id for job in window], more) == (["job-2", "job-3"], True)
+    window, more, last = await archive.window(JobQuery(), after_seq=last, limit=2)
+    assert ([job.submission_id for job in window], more) == (["job-4"], False)
+    assert last == await archive.seq_of("job-4", jobs[4].tenant)
+    with pytest.raises(UnknownCursorError):
+        await archive.seq_of("job-1", "another-tenant")
+    assert not await archive.delete("job-0", new_run_id())
+    assert not await archive.was_deleted("job-0", jobs[0].run_id)
+    assert await archive.delete("job-0", jobs[0].run_id)
+    assert await archive.was_deleted("job-0", jobs[0].run_id)
+    assert await archive.get("job-0") is None
+    assert await archive.count_by_tenant() == {jobs[0].tenant: {JobStatus.PENDING: 4}}

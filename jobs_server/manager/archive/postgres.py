@@ -425,11 +425,16 @@ class PostgresArchive:
     ) -> tuple[list[JobRecord], bool]:
         """Up to `limit` jobs matching `query` after the job `after` (UnknownCursorError if
         it is not here), and whether more follow."""
-        async with self._connection() as db, db.transaction():
-            # One snapshot for the cursor and the page, as SQLite's reader has.
-            await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            after_seq = None if after is None else await _seq_of(db, after, query.tenant)
-            rows = await _job_rows(db, query, after_seq, None if limit is None else limit + 1)
+        read_limit = None if limit is None else limit + 1
+        if after is None:
+            async with self._connection() as db:
+                rows = await _job_rows(db, query, None, read_limit)
+        else:
+            async with self._connection() as db, db.transaction():
+                # One snapshot for the cursor and the page, as SQLite's reader has.
+                await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                after_seq = await _seq_of(db, after, query.tenant)
+                rows = await _job_rows(db, query, after_seq, read_limit)
         records, more, _ = queries.window_of_rows(rows, limit, self.parse_record)
         return records, more
 
