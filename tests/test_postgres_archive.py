@@ -186,3 +186,32 @@ def test_the_database_url_is_gone_from_the_environment_jobs_inherit(
     assert settings.database_url is not None
     assert settings.database_url.get_secret_value() == "postgresql://jobs:secret@db/jobs"
     assert "secret" not in repr(settings)
+
+
+async def test_a_database_of_an_older_schema_is_migrated_in_place(
+    postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server of the next schema version finds the history of this one: it adds what its
+    migration adds, in place, and every job is still there."""
+    archive = PostgresArchive(postgres_url)
+    await archive.open()
+    await archive.insert(record("before"))
+    await archive.close()
+    released = postgres_module._MIGRATIONS
+    monkeypatch.setattr(
+        postgres_module,
+        "_MIGRATIONS",
+        (*released, ("ALTER TABLE jobs ADD COLUMN note TEXT",)),
+    )
+    upgraded = PostgresArchive(postgres_url)
+    await upgraded.open()
+    try:
+        assert [job.submission_id for job in await upgraded.unfinished()] == ["before"]
+        await upgraded.insert(record("after"))
+    finally:
+        await upgraded.close()
+    async with await psycopg.AsyncConnection.connect(postgres_url) as db:
+        cursor = await db.execute("SELECT version FROM schema_version")
+        assert await cursor.fetchall() == [(len(released) + 1,)]
+        cursor = await db.execute("SELECT submission_id, note FROM jobs ORDER BY seq")
+        assert await cursor.fetchall() == [("before", None), ("after", None)]

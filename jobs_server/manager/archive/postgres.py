@@ -13,7 +13,8 @@ and a reader that read "after id N" between the two commits (N the later transac
 would never see the earlier one's smaller id. So every transaction that writes events holds a
 transaction-level advisory lock (EVENTS_LOCK_KEY) from before its first id to its commit: ids
 are taken one transaction after another, and a reader that sees id N sees every id below it.
-(A rolled-back transaction leaves a gap in the ids, which the event feed reads as a skip.)
+(A rolled-back transaction leaves a gap in the ids, which the event feed reads as a skip.) Every
+write transaction takes it first, so the jobs' `seq` (a list's cursor) follows commits too.
 
 Writes are group-committed as on SQLite: the writes that arrive while a transaction commits
 share the next one, each under its own savepoint when one of them fails, each caller answered
