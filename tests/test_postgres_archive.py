@@ -215,3 +215,33 @@ async def test_a_database_of_an_older_schema_is_migrated_in_place(
         assert await cursor.fetchall() == [(len(released) + 1,)]
         cursor = await db.execute("SELECT submission_id, note FROM jobs ORDER BY seq")
         assert await cursor.fetchall() == [("before", None), ("after", None)]
+
+
+async def test_a_write_whose_commit_is_cancelled_is_answered(postgres_url: str) -> None:
+    """The task that commits the writes is cancelled mid-transaction (the loop going away):
+    the callers waiting for it are cancelled too, not left waiting forever, and nothing of the
+    transaction is committed."""
+    archive = PostgresArchive(postgres_url)
+    await archive.open()
+    holding = asyncio.Event()
+
+    async def held_before_commit(db: postgres_module.Connection) -> None:
+        holding.set()
+        await asyncio.Event().wait()
+
+    archive._trim_events = held_before_commit  # type: ignore[method-assign]
+    insert = asyncio.create_task(archive.insert(record("a")))
+    await asyncio.wait_for(holding.wait(), DEADLINE_S)
+    committing = archive._committing
+    assert committing is not None
+    committing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(insert, DEADLINE_S)
+    await archive.close()
+    reopened = PostgresArchive(postgres_url)
+    await reopened.open()
+    try:
+        assert await reopened.get("a") is None
+        assert await reopened.event_id_range() == (0, 0)
+    finally:
+        await reopened.close()

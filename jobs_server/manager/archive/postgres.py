@@ -229,6 +229,12 @@ class PostgresArchive:
                     outcomes: list[tuple[bool, Any]] | BaseException = await self._commit(
                         [item.write for item in batch]
                     )
+                except asyncio.CancelledError:
+                    # The loop is going away: no caller waits for an answer that cannot come.
+                    for item in [*batch, *self._pending]:
+                        item.answer.cancel()
+                    self._pending = []
+                    raise
                 except Exception as error:  # the whole transaction failed: each caller's
                     outcomes = error
                 _answer(batch, outcomes)
