@@ -8,7 +8,7 @@ import contextlib
 import ctypes
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from pathlib import Path
 
 import psutil
@@ -69,6 +69,18 @@ def marked_processes(marker: str) -> list[int]:
     for process in psutil.process_iter():
         with contextlib.suppress(psutil.Error):
             if process.environ().get(name) == value and is_alive(process.pid):
+                found.append(process.pid)
+    return found
+
+
+def processes_with_tokens(name: str, values: Collection[str]) -> list[int]:
+    """Live processes anywhere on the node whose environment's `name` is one of `values` (one
+    pass over the node's processes, however many values)."""
+    wanted = set(values)
+    found = []
+    for process in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            if process.environ().get(name) in wanted and is_alive(process.pid):
                 found.append(process.pid)
     return found
 

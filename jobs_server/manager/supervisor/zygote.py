@@ -173,24 +173,37 @@ def become_init(shell, entrypoint, log, started_w, env, end_path):
     os._exit(os.WEXITSTATUS(status))  # and with the init, the kernel kills what is left
 
 
-def become(started_r, started_w, what, *args):
+def wait_until_reported(reported_r, reported_w):
+    # A job's first process goes on once its pid is reported ("forked"): one whose fork server
+    # died between its fork and that line is known to no one, and must not run the job unseen
+    # (the supervisor kills those it knows of: fork_server.py's `_died`). EOF without the byte
+    # is that death.
+    os.close(reported_w)
+    if os.read(reported_r, 1) != b"r":
+        os._exit(127)
+    os.close(reported_r)
+
+
+def become(started_r, started_w, reported, what, *args):
     # In a job's first process (the launcher or the init): it never returns; what keeps it from
     # becoming `what` is the start's error.
     try:
         os.close(started_r)
+        wait_until_reported(*reported)
         what(*args)
     except BaseException as error:
         os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
         os._exit(127)
 
 
-def fork_launcher(job, started_r, started_w, launcher_args):
+def fork_launcher(job, started_r, started_w, reported, launcher_args):
     # In the fork between: its exit re-parents the launcher to the supervisor.
     try:
         launcher = os.fork()
         if launcher == 0:
-            become(started_r, started_w, become_launcher, *launcher_args)
+            become(started_r, started_w, reported, become_launcher, *launcher_args)
         os.write(REPORTS, b"forked %s %d\n" % (job, launcher))
+        os.write(reported[1], b"r")
     except BaseException as error:
         os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
         os._exit(127)
@@ -208,6 +221,7 @@ def start(frame):
         report(b"failed", job, str(error).encode())
         return
     started_r, started_w = os.pipe()
+    reported = os.pipe()  # `wait_until_reported`
     shell, entrypoint = os.fsdecode(shell), os.fsdecode(entrypoint)
     launcher_args = (containment.decode(), shell, entrypoint, log, started_w, env)
     # Held until the job's first process has its handlers: a stop right after the start is
@@ -218,7 +232,7 @@ def start(frame):
         first = clone_parent(CLONE_NEWPID)
         if first == 0:
             end_path = os.path.join(ENDS_DIR, os.fsdecode(job))
-            become(started_r, started_w, become_init,
+            become(started_r, started_w, reported, become_init,
                    shell, entrypoint, log, started_w, env, end_path)
         if first < 0 and ctypes.get_errno() in REFUSALS:
             can_clone_init = False  # refused here: a launcher from now on
@@ -226,7 +240,7 @@ def start(frame):
     if first < 0:
         first = clone_parent()
         if first == 0:
-            become(started_r, started_w, become_launcher, *launcher_args)
+            become(started_r, started_w, reported, become_launcher, *launcher_args)
     between = -1
     if first < 0:
         try:
@@ -234,18 +248,23 @@ def start(frame):
         except OSError as error:
             reason = str(error).encode()
         if between == 0:
-            fork_launcher(job, started_r, started_w, launcher_args)
+            fork_launcher(job, started_r, started_w, reported, launcher_args)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.close(log)
     os.close(started_w)
     if first < 0 and between < 0:
         os.close(started_r)
+        for end in reported:
+            os.close(end)
         report(b"failed", job, reason)
         return
     if first > 0:
         report(b"forked", job, b"%d%s" % (first, b" init" if is_init else b""))
-    else:
-        os.waitpid(between, 0)  # it exits as soon as it has forked
+        os.write(reported[1], b"r")
+    for end in reported:
+        os.close(end)
+    if first < 0:
+        os.waitpid(between, 0)  # it exits as soon as it has forked and reported
     starting[started_r] = [job, b""]
     poller.register(started_r, select.EPOLLIN)
 
