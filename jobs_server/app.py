@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 
 import aiohttp_cors
@@ -16,6 +17,7 @@ from jobs_server.access.auth import AccessPolicy, resolve_auth_token
 from jobs_server.access.key_ring import KeyRing, reload_keys_on_sighup
 from jobs_server.app_state import (
     ACCESS_POLICY_KEY,
+    CLUSTER_AT_SHUTDOWN_KEY,
     CLUSTER_HEALTH_KEY,
     CLUSTER_INFO_KEY,
     DISK_GUARD_KEY,
@@ -30,8 +32,10 @@ from jobs_server.app_state import (
     UPLOAD_BUDGET_KEY,
 )
 from jobs_server.disk_guard import DiskGuard
+from jobs_server.errors import ClusterUnavailableError
 from jobs_server.manager import (
     Backend,
+    ClusterAtShutdown,
     ClusterHealth,
     DashboardRegistration,
     JobManager,
@@ -109,8 +113,10 @@ def create_app(
     app.on_shutdown.append(_end_log_streams)
     if backend is None:
         app.cleanup_ctx.append(_ray_backend)
-        app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
         app.cleanup_ctx.append(_dashboard_registration)
+        # Ends first at shutdown: what it knows then stays for the shutdown's calls, and it
+        # does not report the GCS away (answer 503 until it returns) as the server leaves.
+        app.cleanup_ctx.append(_cluster_watch(on_cluster_lost or exit_for_lost_cluster))
     else:
         _use_backend(app, backend)
     # After joining Ray, whose start may set signal handlers of its own.
@@ -160,8 +166,12 @@ async def _dashboard_registration(app: web.Application) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        if registration is not None:
-            await registration.unregister()
+        cluster = app[CLUSTER_AT_SHUTDOWN_KEY]
+        # A cluster that is gone keeps it: the next server replaces an address where nothing
+        # answers.
+        if registration is not None and await cluster.answers():
+            with contextlib.suppress(ClusterUnavailableError):
+                await cluster.call("removing this server's registration", registration.unregister)
 
 
 def _use_backend(app: web.Application, backend: Backend) -> None:
@@ -241,15 +251,22 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         ),
     )
     app[CLUSTER_HEALTH_KEY] = ClusterHealth(connection.gcs_address, cluster_info.session_name)
+    app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(app[CLUSTER_HEALTH_KEY])
     await manager.start()
     try:
         yield
     finally:
         try:
-            await manager.close()
+            # Asked once (bounded) unless the shutdown found it gone already, so that no call
+            # of the manager's close waits out a GCS that is gone (SIGTERM to the whole process
+            # group of an embedded server ends its Ray with it).
+            await cluster.answers()
+            await manager.close(cluster)
         finally:
             await archive.close()
-            await asyncio.to_thread(disconnect_from_ray, connection)
+            # ray.shutdown() waits on the GCS: asked again (milliseconds while it is there).
+            await cluster.answers()
+            await asyncio.to_thread(disconnect_from_ray, connection, cluster_gone=cluster.gone)
 
 
 def _cluster_watch(
@@ -263,18 +280,43 @@ def _cluster_watch(
             yield  # not connected to Ray: nothing to watch
             return
 
+        stopping = asyncio.Event()
+
         async def watch() -> None:
-            on_cluster_lost(await watch_cluster(health))
+            reason = await watch_cluster(health, stopping)
+            if reason is not None:
+                on_cluster_lost(reason)
 
         task = asyncio.create_task(watch(), name="cluster-watch")
         try:
             yield
         finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # Not cancelled: it ends after its probe in flight (at most GCS_PROBE_TIMEOUT_S).
+            stopping.set()
+            await task
 
     return cluster_watch
+
+
+def left_the_cluster_gone(app: web.Application) -> bool:
+    """Whether the app's shutdown found its Ray cluster gone, and so did not leave Ray: the
+    process must then end with `exit_without_ray` (Python's own exit would call Ray)."""
+    cluster = app.get(CLUSTER_AT_SHUTDOWN_KEY)
+    return cluster is not None and cluster.gone
+
+
+def exit_without_ray(status: int) -> None:
+    """End the process now, once the shutdown is done (the archive closed, the embedded Ray's
+    processes ended), without Python's exit, which would still wait on the GCS that is gone:
+    Ray's exit handler calls `ray.shutdown()`, threads blocked in Ray calls are joined, and so
+    is Ray's GCS client thread, which may be blocked reporting an error to the GCS (Ray's
+    exception hook, for the answer to a call given up on): that thread kept the process about a
+    minute, then crashed it (SIGSEGV). Nothing is lost: the archive is closed with every write,
+    and the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def exit_for_lost_cluster(reason: str) -> None:

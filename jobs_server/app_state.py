@@ -10,6 +10,7 @@ from jobs_server.access.auth import AccessPolicy
 from jobs_server.access.key_ring import KeyHold, KeyRing
 from jobs_server.disk_guard import DiskGuard
 from jobs_server.manager import (
+    ClusterAtShutdown,
     ClusterHealth,
     ClusterInfo,
     DriverFinderApi,
@@ -29,6 +30,9 @@ JOB_MANAGER_KEY = web.AppKey[JobManagerApi]("job_manager")
 PACKAGE_STORE_KEY = web.AppKey[PackageStoreApi]("package_store")
 CLUSTER_INFO_KEY = web.AppKey("cluster_info", ClusterInfo)
 CLUSTER_HEALTH_KEY = web.AppKey("cluster_health", ClusterHealth)
+# What the shutdown finds of the cluster: once one of its calls finds it gone, the rest are
+# skipped, and the process ends without leaving Ray (cli.serve).
+CLUSTER_AT_SHUTDOWN_KEY = web.AppKey("cluster_at_shutdown", ClusterAtShutdown)
 JOB_DETAILS_CACHE_KEY = web.AppKey("job_details_cache", JobDetailsJsonCache)
 ACCESS_POLICY_KEY = web.AppKey("access_policy", AccessPolicy)
 # The keys the server accepts (re-read on SIGHUP); its `limits_for(tenant)` are the caps of

@@ -7,6 +7,7 @@ from jobs_server.manager.cluster.dashboard_registration import (
     DashboardRegistration,
     registration_address,
 )
+from jobs_server.manager.cluster.leaving import ClusterAtShutdown
 from jobs_server.manager.cluster.ray_cluster import (
     ClusterHealth,
     ClusterInfo,
@@ -26,6 +27,7 @@ from jobs_server.manager.supervisor.drivers import RayDriver, RayDrivers
 __all__ = [
     "Archive",
     "Backend",
+    "ClusterAtShutdown",
     "ClusterHealth",
     "ClusterInfo",
     "DashboardRegistration",

@@ -25,6 +25,7 @@ from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
 from jobs_server.manager.archive.sqlite import JobQuery, UnknownCursorError
+from jobs_server.manager.cluster.leaving import ClusterAtShutdown
 from jobs_server.manager.cluster.resources import ClusterResources
 from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.launcher import Launcher
@@ -204,14 +205,17 @@ class JobManager:
     def archive(self) -> JobArchive:
         return self._archive
 
-    async def close(self) -> None:
+    async def close(self, cluster: ClusterAtShutdown | None = None) -> None:
         """Stop watching; the jobs themselves run on in their detached supervisors (in embedded
-        mode they are stopped first: the Ray they run on stops with the server)."""
+        mode they are stopped first: the Ray they run on stops with the server). `cluster`:
+        what the shutdown found of the cluster so far (a gone one is not asked again)."""
         if self._retention is not None:
             await self._retention.close()
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
-            await self._stopper.stop_all_jobs(self._stop_jobs_on_close_s)
+            await self._stopper.stop_all_jobs(
+                self._stop_jobs_on_close_s, cluster or ClusterAtShutdown()
+            )
         await self._ends.close()
         await self._watchers.close()
         await self._launcher.close()

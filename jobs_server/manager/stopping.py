@@ -16,15 +16,17 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError, SupervisorUnreachableError
 from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.cluster.leaving import ClusterAtShutdown
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.live.kv import RETRYABLE_GCS_ERRORS
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.queue.admission import JobQueue
 from jobs_server.manager.queue.dispatcher import Dispatcher
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
-from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S
+from jobs_server.manager.supervisor_calls import SUPERVISOR_UNAVAILABLE_RETRY_S, first_line
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 
 logger = logging.getLogger(__name__)
@@ -222,10 +224,12 @@ class JobStopper:
                     ) from error
                 await asyncio.sleep(SUPERVISOR_UNAVAILABLE_RETRY_S)
 
-    async def stop_all_jobs(self, timeout_s: float) -> None:
+    async def stop_all_jobs(self, timeout_s: float, cluster: ClusterAtShutdown) -> None:
         """Record every live job STOPPED (the end key's put-if-absent: a job that ended first
         keeps its end), ask its supervisor to stop it (SIGTERM, grace, SIGKILL), and wait for
-        the watchers, at most `timeout_s`."""
+        the watchers, at most `timeout_s`. A job whose supervisor cannot be told because the
+        cluster is gone (`cluster`) is left unfinished: it ends with the cluster, without its
+        grace, and the next start's recovery records it so, as after any lost cluster."""
         message = (
             "The job was stopped because the server shut down (in embedded mode its Ray "
             "instance stops with it)."
@@ -233,26 +237,31 @@ class JobStopper:
         # Queued jobs never started: they stay queued, for the next server to run.
         live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
         grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
+        # The jobs whose supervisor got the stop: STOPPED is true of them whatever follows.
+        told: set[str] = set()
 
         async def stop(record: JobRecord) -> None:
             # Each step whatever became of the one before: a KV that is gone or a full disk
             # must not keep the job from its grace period (SIGTERM first) before Ray stops.
             ended = None
-            with _logged_failure("recording the stop of job %s", record):
+            with _logged_failure("recording the stop of job %s", record, cluster):
                 ended = await self._store.update(
                     record.submission_id, record.run_id, status=JobStatus.STOPPED, message=message
                 )
-            with _logged_failure("asking the supervisor of job %s to stop it", record):
+            if cluster.gone:
+                return  # nobody to tell: the job goes with the cluster
+            with _logged_failure("asking the supervisor of job %s to stop it", record, cluster):
                 supervisor = await asyncio.to_thread(
                     self._supervisors.find, record.supervisor_name or ""
                 )
                 if supervisor is not None:
                     await supervisor.stop_job.remote(record.submission_id, grace_s)
-            if ended is not None:
-                with _logged_failure("archiving the stop of job %s", record):
+                    told.add(record.submission_id)
+            if ended is not None and (record.submission_id in told or not cluster.gone):
+                with _logged_failure("archiving the stop of job %s", record, cluster):
                     await self._history.archive_end(ended)
 
-        if live:
+        if live and not cluster.gone:
             logger.info("stopping %d jobs: the embedded Ray stops with the server", len(live))
             deadline = time.monotonic() + timeout_s
             with contextlib.suppress(TimeoutError):
@@ -260,10 +269,16 @@ class JobStopper:
                     asyncio.gather(*(stop(record) for record in live)), timeout=timeout_s
                 )
             # Their supervisors end the processes (SIGTERM, grace, SIGKILL) before Ray stops.
-            await self._watchers.wait(deadline - time.monotonic())
-        # Whatever could not be told (a KV that is gone) is still recorded as stopped here.
+            if not cluster.gone:
+                await self._watchers.wait(deadline - time.monotonic())
+        # Whatever could not be told (a KV that is gone) is still recorded as stopped here,
+        # unless the cluster is gone: then the job was not stopped, it ends with the cluster.
+        left = 0
         for record in await self._archive.unfinished():
             if record.submission_id in self._queue:
+                continue
+            if cluster.gone and record.submission_id not in told:
+                left += 1
                 continue
             try:
                 await self._archive.update(
@@ -277,13 +292,22 @@ class JobStopper:
                 # The next start finds them unfinished with their cluster gone, and ends them.
                 logger.warning("the disk is full: the stops of the jobs left are not archived")
                 return
+        if left:
+            logger.info(
+                "jobs left to the next start's recovery (they end with the Ray cluster that is "
+                "gone): %d",
+                left,
+            )
 
 
 @contextlib.contextmanager
-def _logged_failure(what: str, record: JobRecord) -> Iterator[None]:
-    """Log an error of a shutdown step (a full disk in one line) instead of raising it."""
+def _logged_failure(what: str, record: JobRecord, cluster: ClusterAtShutdown) -> Iterator[None]:
+    """Log an error of a shutdown step (a full disk in one line) instead of raising it; a GCS
+    that does not answer is the cluster gone (`cluster` says so, once)."""
     try:
         yield
+    except RETRYABLE_GCS_ERRORS as error:
+        cluster.note_gone(f"{what % record.submission_id}: {first_line(error)}")
     except Exception as error:
         full = is_disk_full(error)
         logger.warning(

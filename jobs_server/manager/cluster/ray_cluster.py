@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -40,6 +41,9 @@ GCS_PROBE_TIMEOUT_S = 2.0
 CLUSTER_LOST_EXIT_S = 30.0
 # The exit status of a server whose cluster is lost (EX_UNAVAILABLE).
 CLUSTER_LOST_EXIT_CODE = 69
+# How long the embedded Ray's processes get to end on SIGTERM when its GCS is gone at shutdown,
+# before SIGKILL (`ray.shutdown()` gives each of them as long).
+EMBEDDED_RAY_STOP_S = 1.0
 
 # Ray's token authentication: the mode, and the file its processes read the token from.
 _RAY_AUTH_MODE_ENV = "RAY_AUTH_MODE"
@@ -160,14 +164,41 @@ def _require_ray_token_auth() -> Path | None:
     return token_dir
 
 
-def disconnect_from_ray(connection: RayConnection) -> None:
-    """Leave the cluster (and stop the embedded one) if this process connected to it."""
+def disconnect_from_ray(connection: RayConnection, *, cluster_gone: bool = False) -> None:
+    """Leave the cluster (and stop the embedded one) if this process connected to it.
+
+    With `cluster_gone` (its GCS does not answer) Ray is not asked: `ray.shutdown()` waits on the
+    GCS that is gone (its driver's shutdown: 5 s and more). What is left of the embedded
+    instance's processes is ended here instead, and the caller's process must then end without
+    Python's exit (`app.exit_without_ray`), whose Ray handler would call `ray.shutdown()` all
+    the same.
+    """
     try:
-        if connection.connected_here:
+        if connection.connected_here and not cluster_gone:
             ray.shutdown()
+        elif connection.connected_here and connection.embedded:
+            _end_embedded_processes()
     finally:
         if connection.embedded_token_dir is not None:
             _remove_token_dir(connection.embedded_token_dir)
+
+
+def _end_embedded_processes() -> None:
+    """SIGTERM to what is left of the embedded Ray's processes, SIGKILL after
+    EMBEDDED_RAY_STOP_S, as `ray.shutdown()` would end them. They are this process's descendants
+    (`ray.init` started the GCS and the raylet, which started the rest; the server starts no
+    other process), taken all at once: without its GCS the raylet that ends leaves its agents
+    behind, and its workers with their jobs end with them."""
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(children, timeout=EMBEDDED_RAY_STOP_S)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    if alive:
+        psutil.wait_procs(alive, timeout=EMBEDDED_RAY_STOP_S)
 
 
 def _remove_token_dir(token_dir: Path) -> None:
@@ -196,10 +227,16 @@ class ClusterHealth:
         if self.unavailable_reason is not None:
             raise ClusterUnavailableError(self.unavailable_reason)
 
+    async def probe(self) -> None:
+        """Ask the GCS once (a KV read, at most GCS_PROBE_TIMEOUT_S); ClusterUnavailableError if
+        it does not answer. Records nothing: `probe_gcs` is the watch's."""
+        await self.probe_kv.get(_SESSION_NAME_KEY)
 
-async def probe_gcs(health: ClusterHealth) -> bool:
+
+async def probe_gcs(health: ClusterHealth, stopping: asyncio.Event | None = None) -> bool:
     """Ask the GCS (one KV read, at most GCS_PROBE_TIMEOUT_S) whether it is there and still the
-    same cluster; record the answer in `health`; return whether the cluster is lost for good."""
+    same cluster; record the answer in `health`; return whether the cluster is lost for good.
+    A GCS found away once `stopping` is set is not reported here: the shutdown reports it."""
     try:
         session_name = await health.probe_kv.get(_SESSION_NAME_KEY)
     except ClusterUnavailableError:
@@ -219,21 +256,29 @@ async def probe_gcs(health: ClusterHealth) -> bool:
         )
         replaced = True
     if health.unavailable_since_s is None:
-        logger.warning("%s Requests that need it answer 503 until it returns.", reason)
+        if stopping is None or not stopping.is_set():
+            logger.warning("%s Requests that need it answer 503 until it returns.", reason)
         health.unavailable_since_s = time.monotonic()
     away_s = time.monotonic() - health.unavailable_since_s
     health.unavailable_reason = f"{reason} Away for {away_s:.0f} s."
     return replaced or away_s >= CLUSTER_LOST_EXIT_S
 
 
-async def watch_cluster(health: ClusterHealth) -> str:
+async def watch_cluster(health: ClusterHealth, stopping: asyncio.Event) -> str | None:
     """Probe the GCS every GCS_PROBE_INTERVAL_S, keeping `health` current; return why once the
-    cluster is lost (its GCS away CLUSTER_LOST_EXIT_S, or replaced by a new one)."""
+    cluster is lost (its GCS away CLUSTER_LOST_EXIT_S, or replaced by a new one), or None once
+    `stopping` is set, after the probe in flight: a GCS call is not cancelled (leaving.py)."""
     # Polling: Ray sends no event when its GCS goes away or comes back.
     while True:
-        if await probe_gcs(health):
+        lost = await probe_gcs(health, stopping)
+        if stopping.is_set():
+            return None
+        if lost:
             return health.unavailable_reason or "The Ray cluster is lost."
-        await asyncio.sleep(GCS_PROBE_INTERVAL_S)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stopping.wait(), timeout=GCS_PROBE_INTERVAL_S)
+        if stopping.is_set():
+            return None
 
 
 async def read_cluster_info(gcs_address: str) -> ClusterInfo:
