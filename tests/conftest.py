@@ -220,7 +220,9 @@ def ray_cluster(
             "--disable-usage-stats",
             "--num-cpus=4",
         ],
-        env={**os.environ, **s3_environment},
+        # Ray's agent sets up a runtime env up to 3 times: a failure the tests provoke (a pip
+        # package that does not exist: a virtualenv and pip each time) is as well seen once.
+        env={**os.environ, **s3_environment, "RUNTIME_ENV_RETRY_TIMES": "1"},
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
