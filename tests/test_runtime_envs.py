@@ -31,7 +31,8 @@ from tests.support.processes import free_port, wait_until
 from tests.support.ray_nodes import S3_CREDENTIALS
 
 RAY_CLI = str(Path(sys.executable).parent / "ray")
-# Ray's agent retries a failed setup 3 times a second apart; the issue allows a minute.
+# Ray's agent retries a failed setup 3 times a second apart (the suite's cluster: once, conftest);
+# the issue allows a minute.
 FAILURE_DEADLINE_S = 60
 SUCCESS_DEADLINE_S = 120
 
