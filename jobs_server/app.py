@@ -250,7 +250,9 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             drivers=RayDrivers(connection.gcs_address),
         ),
     )
-    app[CLUSTER_HEALTH_KEY] = ClusterHealth(connection.gcs_address, cluster_info.session_name)
+    app[CLUSTER_HEALTH_KEY] = ClusterHealth(
+        connection.gcs_address, cluster_info.session_name, settings.cluster_lost_exit_s
+    )
     app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(app[CLUSTER_HEALTH_KEY])
     await manager.start()
     try:

@@ -69,6 +69,16 @@ class Settings(BaseSettings):
             " migrated at start."
         ),
     )
+    cluster_lost_exit_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "Seconds Ray's GCS may be away before the server gives the cluster up and exits with"
+            " status 69, so that systemd or Kubernetes starts it again on a working cluster. With"
+            " GCS fault tolerance keep it below Ray's own reconnect timeout (60 s)."
+        ),
+    )
     stop_grace_s: float = Field(
         5.0,
         ge=0,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE, CLUSTER_LOST_EXIT_S
+from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from tests.support.gcs import (
     assert_unavailable,
     head_node,
@@ -87,9 +87,15 @@ def test_gcs_restart_with_fault_tolerance(redis_address: str, server_dir: Path) 
             stop_process_group(server)
 
 
+# The server's `--cluster-lost-exit-s` here (30 s by default: the test waited them out).
+LOST_AFTER_S = 5
+
+
 def test_lost_cluster_without_fault_tolerance_exits_the_server(server_dir: Path) -> None:
     with head_node(None) as node:
-        url, server, log_path = start_server(node, server_dir)
+        url, server, log_path = start_server(
+            node, server_dir, "--cluster-lost-exit-s", str(LOST_AFTER_S)
+        )
         try:
             job_id = submit(url, "sleep 600")
             wait_status(url, job_id, {"RUNNING"})
@@ -102,8 +108,8 @@ def test_lost_cluster_without_fault_tolerance_exits_the_server(server_dir: Path)
                 30,
                 "healthz to say 503",
             )
-            # Bounded: the server gives up CLUSTER_LOST_EXIT_S after the GCS went away.
-            exit_code = server.wait(CLUSTER_LOST_EXIT_S + 60)
+            # Bounded: the server gives up LOST_AFTER_S after the GCS went away.
+            exit_code = server.wait(LOST_AFTER_S + 60)
             assert exit_code == CLUSTER_LOST_EXIT_CODE, log_path.read_text()
             assert "the Ray cluster is lost" in log_path.read_text()
         finally:

@@ -119,7 +119,9 @@ def head_node(redis_address: str | None) -> Iterator[HeadNode]:
         node.stop()
 
 
-def start_server(node: HeadNode, workdir: Path) -> tuple[str, subprocess.Popen[bytes], Path]:
+def start_server(
+    node: HeadNode, workdir: Path, *extra_args: str
+) -> tuple[str, subprocess.Popen[bytes], Path]:
     port = free_port()
     log_path = workdir / "server.log"
     environment = {**os.environ, "RAY_AUTH_MODE": "disabled"}
@@ -135,6 +137,7 @@ def start_server(node: HeadNode, workdir: Path) -> tuple[str, subprocess.Popen[b
             str(workdir / "state"),
             "--stop-grace-s",
             "1",
+            *extra_args,
         ],
         log_path,
         env=environment,

@@ -35,9 +35,10 @@ _SESSION_NAME_KEY = "session_name"
 # How often the server asks the GCS whether it is there, and how long it waits for the answer.
 GCS_PROBE_INTERVAL_S = 1.0
 GCS_PROBE_TIMEOUT_S = 2.0
-# A GCS away this long is a lost cluster: without GCS fault tolerance nothing brings it back, and
-# with it Ray's own processes give up after 60 s (`gcs_rpc_server_reconnect_timeout_s`). The
-# server then exits non-zero, so systemd or Kubernetes starts it again on a working cluster.
+# A GCS away this long is a lost cluster (by default; `--cluster-lost-exit-s`): without GCS fault
+# tolerance nothing brings it back, and with it Ray's own processes give up after 60 s
+# (`gcs_rpc_server_reconnect_timeout_s`). The server then exits non-zero, so systemd or
+# Kubernetes starts it again on a working cluster.
 CLUSTER_LOST_EXIT_S = 30.0
 # The exit status of a server whose cluster is lost (EX_UNAVAILABLE).
 CLUSTER_LOST_EXIT_CODE = 69
@@ -211,6 +212,8 @@ class ClusterHealth:
 
     gcs_address: str
     session_name: str | None
+    lost_after_s: float = CLUSTER_LOST_EXIT_S
+    """How long the GCS may be away before the cluster is lost."""
     unavailable_reason: str | None = None
     unavailable_since_s: float | None = field(default=None, repr=False)
     """When the GCS stopped answering (time.monotonic()), None while it answers."""
@@ -261,12 +264,12 @@ async def probe_gcs(health: ClusterHealth, stopping: asyncio.Event | None = None
         health.unavailable_since_s = time.monotonic()
     away_s = time.monotonic() - health.unavailable_since_s
     health.unavailable_reason = f"{reason} Away for {away_s:.0f} s."
-    return replaced or away_s >= CLUSTER_LOST_EXIT_S
+    return replaced or away_s >= health.lost_after_s
 
 
 async def watch_cluster(health: ClusterHealth, stopping: asyncio.Event) -> str | None:
     """Probe the GCS every GCS_PROBE_INTERVAL_S, keeping `health` current; return why once the
-    cluster is lost (its GCS away CLUSTER_LOST_EXIT_S, or replaced by a new one), or None once
+    cluster is lost (its GCS away `health.lost_after_s`, or replaced by a new one), or None once
     `stopping` is set, after the probe in flight: a GCS call is not cancelled (leaving.py)."""
     # Polling: Ray sends no event when its GCS goes away or comes back.
     while True:
