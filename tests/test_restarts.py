@@ -6,6 +6,7 @@ empty KV) with the server restarted against it. Real servers, real Ray, real sig
 from __future__ import annotations
 
 import signal
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import requests
 
 from tests.support.disks import fill
 from tests.support.processes import wait_until
+from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.restarts import JOB_TIMEOUT_S, Cluster, Server, embedded_server
 
 pytestmark = pytest.mark.ray
@@ -188,9 +190,13 @@ def test_a_restarted_cluster_with_an_empty_kv_keeps_history_and_fails_the_runnin
 
 
 def test_a_log_that_belongs_to_no_record_is_never_appended_to(
-    tmp_path: Path, ray_tmpdir: Path
+    tmp_path: Path, ray_tmpdir: Path, ray_connection: str
 ) -> None:
-    server = embedded_server(tmp_path, ray_tmpdir)
+    # On the session's cluster: what is tested is the server's start on its state dir.
+    namespace = f"restarts_{uuid.uuid4().hex[:8]}"
+    server = Server(
+        tmp_path, ray_tmpdir, ["--ray-address", ray_connection, "--namespace", namespace]
+    )
     logs = tmp_path / "state" / "logs"
     logs.mkdir(parents=True)
     (logs / "job-driver-orphan.log").write_text("an earlier life\n")
@@ -204,3 +210,4 @@ def test_a_log_that_belongs_to_no_record_is_never_appended_to(
         assert (logs / set_aside[0]).read_text() == "an earlier life\n"
     finally:
         server.stop()
+        kill_actors_in_namespace(namespace)

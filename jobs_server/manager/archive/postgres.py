@@ -39,6 +39,7 @@ from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive import queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.group_commit import NewRow, new_rows_together
+from jobs_server.manager.archive.leases import POSTGRES_STATEMENTS, Fence, require_fence
 from jobs_server.manager.archive.new_rows import (
     EVENT_COLUMNS,
     JOB_COLUMNS,
@@ -119,6 +120,16 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE UNIQUE INDEX deleted_runs_run ON deleted_runs (submission_id, run_id)",
     ),
+    # Leases of replicas sharing the history (leases.py); times in unix ms by the database's.
+    (
+        """CREATE TABLE leases (
+            name TEXT PRIMARY KEY,
+            holder TEXT,
+            epoch BIGINT NOT NULL,
+            expires_at_ms BIGINT NOT NULL,
+            previous_holder TEXT
+        )""",
+    ),
 )
 
 # The first of `%s` ids in a row: the sequence moved past them at once (its own statement
@@ -149,6 +160,8 @@ class _WriteFailed(Exception):
 
 class PostgresArchive:
     """The jobs table and its events in PostgreSQL. Open with `open()`, close with `close()`."""
+
+    lease_statements = POSTGRES_STATEMENTS
 
     def __init__(
         self,
@@ -314,11 +327,17 @@ class PostgresArchive:
             raise DuplicateJobError(record.submission_id) from None
         return events
 
-    async def update(self, record: JobRecord) -> JobRecord | None:
+    async def update(self, record: JobRecord, *, fence: Fence | None = None) -> JobRecord | None:
         """Store what the server learned of the run `record`; an event if its status changed.
-        A terminal row never changes. The row as stored, None if the run is not here."""
+        A terminal row never changes. The row as stored, None if the run is not here. With a
+        `fence`, only while its lease is still so held (else LeaseLostError)."""
 
         async def update(db: Connection) -> tuple[JobRecord | None, list[JobEvent]]:
+            if fence is not None:  # its row held FOR SHARE: no takeover before the commit
+                cursor = await db.execute(
+                    pyformat(self.lease_statements.check_fence), fence.parameters()
+                )
+                require_fence(await cursor.fetchone(), fence)
             return await self._update(db, record)
 
         stored, events = await self._write(update)
@@ -378,6 +397,13 @@ class PostgresArchive:
 
     async def _trim_events(self, db: Connection) -> None:
         await db.execute(pyformat(queries.TRIM_EVENTS), (self._max_events,))
+
+    async def run_lease_statement(
+        self, statement: str, parameters: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        """Run a statement of leases.py as a transaction of its own (autocommit: no events
+        lock, no wait behind a batch of writes)."""
+        return await self._rows(statement, parameters)
 
     # -- reads ------------------------------------------------------------------------------
 
