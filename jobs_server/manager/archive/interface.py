@@ -12,14 +12,16 @@ from pathlib import Path
 from typing import Protocol
 
 from jobs_server.manager.archive.events import EventLog, JobEvent
+from jobs_server.manager.archive.leases import Fence, LeaseStore
 from jobs_server.manager.archive.queries import JobQuery
 from jobs_server.manager.records import JobRecord, JobStatus, RecordParser, parse_record
 
 POSTGRES_URL_SCHEMES = ("postgresql://", "postgres://")
 
 
-class JobArchive(EventLog, Protocol):
-    """The job history: every accepted job, its final record, its numbered events."""
+class JobArchive(EventLog, LeaseStore, Protocol):
+    """The job history: every accepted job, its final record, its numbered events; and the
+    leases of the replicas that share it (leases.py)."""
 
     parse_record: RecordParser
 
@@ -41,9 +43,10 @@ class JobArchive(EventLog, Protocol):
         """Record many new jobs in one transaction; all or none (DuplicateJobError)."""
         ...
 
-    async def update(self, record: JobRecord) -> JobRecord | None:
+    async def update(self, record: JobRecord, *, fence: Fence | None = None) -> JobRecord | None:
         """Store what the server learned of the run `record` (a terminal row never changes);
-        the row as stored, None if that run is not in the archive."""
+        the row as stored, None if that run is not in the archive. With a `fence`, only while
+        its lease is still held so (LeaseLostError: nothing written)."""
         ...
 
     async def delete(self, submission_id: str, run_id: str | None = None) -> bool:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -27,6 +27,7 @@ from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive import queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.group_commit import GroupCommit, NewRow, rollback
+from jobs_server.manager.archive.leases import SQLITE_STATEMENTS, Fence, require_fence
 from jobs_server.manager.archive.new_rows import insert_new_rows
 
 # Re-exported: the archive's callers name them with it.
@@ -101,6 +102,16 @@ _MIGRATIONS: tuple[str, ...] = (
     );
     CREATE UNIQUE INDEX deleted_runs_run ON deleted_runs (submission_id, run_id);
     """,
+    # Leases of replicas sharing a history (leases.py); times in unix ms by the database's clock.
+    """
+    CREATE TABLE leases (
+        name TEXT PRIMARY KEY,
+        holder TEXT,
+        epoch INTEGER NOT NULL,
+        expires_at_ms INTEGER NOT NULL,
+        previous_holder TEXT
+    );
+    """,
 )
 # Deleted runs remembered (recovery asks about what the KV still holds at a start).
 MAX_DELETED_RUNS = 100_000
@@ -108,6 +119,8 @@ MAX_DELETED_RUNS = 100_000
 
 class Archive:
     """The jobs table and its events. Open with `open()`, close with `close()`."""
+
+    lease_statements = SQLITE_STATEMENTS
 
     def __init__(
         self,
@@ -258,18 +271,24 @@ class Archive:
             raise DuplicateJobError(record.submission_id) from None
         return events
 
-    async def update(self, record: JobRecord) -> JobRecord | None:
+    async def update(self, record: JobRecord, *, fence: Fence | None = None) -> JobRecord | None:
         """Store what the server learned of the run `record`; an event if its status changed.
         A terminal row never changes (the first terminal status wins, as in the KV). Returns
-        the row as stored, None if the run is not in the archive (deleted, or another run)."""
-        stored, events = await self._writes.write(lambda db: self._update(db, record))
+        the row as stored, None if the run is not in the archive (deleted, or another run).
+        With a `fence`, only while its lease is still so held (else LeaseLostError)."""
+        stored, events = await self._writes.write(lambda db: self._update(db, record, fence))
         self._notify(events)
         stored_record: JobRecord | None = stored
         return stored_record
 
     def _update(
-        self, db: sqlite3.Connection, record: JobRecord
+        self, db: sqlite3.Connection, record: JobRecord, fence: Fence | None = None
     ) -> tuple[JobRecord | None, list[JobEvent]]:
+        if fence is not None:  # one writer at a time: no takeover between this and the commit
+            require_fence(
+                db.execute(self.lease_statements.check_fence, fence.parameters()).fetchone(),
+                fence,
+            )
         row = db.execute(queries.RUN_STATE, (record.submission_id, record.run_id)).fetchone()
         if row is None:
             return None, []
@@ -370,6 +389,16 @@ class Archive:
 
     def _trim_events(self, db: sqlite3.Connection) -> None:
         db.execute(queries.TRIM_EVENTS, (self._max_events,))
+
+    async def run_lease_statement(
+        self, statement: str, parameters: Sequence[Any]
+    ) -> list[tuple[Any, ...]]:
+        """Run a statement of leases.py in a write transaction (through the group commit)."""
+        rows, _ = await self._writes.write(
+            lambda db: (db.execute(statement, parameters).fetchall(), [])
+        )
+        result: list[tuple[Any, ...]] = rows
+        return result
 
     # -- reads (archive_queries.py) --------------------------------------------------------
 
