@@ -3,16 +3,22 @@ job's command runs as that Unix user, and cannot read the server's state dir."""
 
 from __future__ import annotations
 
+import codecs
+import importlib
 import os
 import pwd
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession
 
+from jobs_server import cli
 from tests.support.tenant_server import (
     TenantServer,
     run_tenant_server,
@@ -108,3 +114,67 @@ def test_a_user_that_does_not_exist_is_refused_at_start(tmp_path: Path, where: s
     )
     assert result.returncode == 1, result.stderr
     assert f"no such user: {NO_SUCH_USER!r}" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("where", ["flag", "tokens file"])
+def test_a_server_that_cannot_change_user_is_refused_at_start(
+    users: dict[str, int], where: str
+) -> None:
+    """Run as an unprivileged user (no CAP_SETUID): jobs that are to run as another user would
+    fail one by one at their start, so the server does not start at all, and says why. The
+    server's start runs in a fork of this process that became that user (the interpreter's
+    files may be out of an unprivileged user's reach, as under /root)."""
+    uid = users[JOBS_USER]
+    # In a directory the user can reach (pytest's are root's alone).
+    with tempfile.TemporaryDirectory() as reachable:
+        os.chmod(reachable, 0o755)
+        state = Path(reachable) / "state"
+        state.mkdir(mode=0o700)
+        os.chown(state, uid, -1)
+        tokens = Path(reachable) / "tokens.toml"
+        tokens.write_text(f'[tenants.team-a]\nrun_as = "{RUN_AS_USER}"\n')
+        tokens.chmod(0o644)
+        args = ["--jobs-user", RUN_AS_USER] if where == "flag" else ["--tokens-file", str(tokens)]
+        outcome = _serve_as(uid, [*args, "--state-dir", str(state)])
+    assert outcome == (
+        f"jobs-server: jobs are to run as {RUN_AS_USER} (--jobs-user, run_as), but this server"
+        " cannot change user: it needs root or CAP_SETUID and CAP_SETGID"
+    )
+
+
+def _serve_as(uid: int, args: list[str]) -> str:
+    """What `jobs-server serve ARGS` exits with, started as the user `uid` (without root's
+    capabilities: setuid drops them)."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        try:
+            os.close(read_end)
+            # What the start loads, loaded while root: the interpreter's files may be out of
+            # the user's reach (under /root).
+            codecs.lookup("ascii")
+            importlib.import_module("jobs_server.app")
+            os.setgroups([])
+            os.setgid(pwd.getpwuid(uid).pw_gid)
+            os.setuid(uid)
+            try:
+                cli.main(["serve", "--port", "0", *args])
+                outcome = "started"
+            except SystemExit as exit:
+                outcome = str(exit.code)
+            except BaseException as error:
+                outcome = f"raised {error!r}"
+            os.write(write_end, outcome.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    try:
+        # A start that went on (no refusal) would serve: it is killed after a minute.
+        if not select.select([read_end], [], [], 60)[0]:
+            os.kill(child, signal.SIGKILL)
+            return "it did not exit"
+        with os.fdopen(read_end, "rb", closefd=False) as reader:
+            return reader.read().decode()
+    finally:
+        os.close(read_end)
+        os.waitpid(child, 0)
