@@ -207,7 +207,8 @@ async def test_replicas_racing_for_an_expired_lease_one_wins(
     two_archives: list[JobArchive],
 ) -> None:
     """Each round the lease is expired (held by a third replica with no time left); A and B
-    ask for it at once: exactly one gets it, with the next epoch."""
+    ask for it at once: exactly one gets it, with the next epoch. And so for leases never
+    taken before (no row yet)."""
     archive_a, archive_b = two_archives
     a = ReplicaLeases(archive_a, ttl_s=LONG_TTL_S)
     b = ReplicaLeases(archive_b, ttl_s=LONG_TTL_S)
@@ -224,6 +225,13 @@ async def test_replicas_racing_for_an_expired_lease_one_wins(
         winner = a if won[0].holder == a.replica_id else b
         assert await winner.release(WATCH)
     assert a.counters.taken_over + b.counters.taken_over == RACE_ROUNDS
+    # A lease never taken before: both insert its row at once.
+    for round_ in range(RACE_ROUNDS):
+        fresh = f"fresh:{round_}"
+        won = [lease for lease in await asyncio.gather(a.acquire(fresh), b.acquire(fresh)) if lease]
+        assert len(won) == 1, won
+        assert won[0].epoch == 1
+        assert await (a if won[0].holder == a.replica_id else b).release(fresh)
     assert a.counters.held == b.counters.held == 0
 
 
