@@ -75,6 +75,12 @@ LOCK = "SELECT pg_advisory_xact_lock(%s)"
 POOL_MIN_CONNECTIONS = 1
 POOL_MAX_CONNECTIONS = 8
 CONNECT_TIMEOUT_S = 30.0
+# While the database is away (outage.py): a request waits this long for a connection before it
+# is answered 503, and a lost connection is retried (backoff from 1 s) this long before the pool
+# gives that attempt up, so that the next request's attempt, not a backoff grown to minutes,
+# finds the database back.
+POOL_WAIT_S = 3.0
+RECONNECT_GIVE_UP_S = 10.0
 
 # Each entry moves the schema one version up (the `schema_version` table); never edit a
 # released one. Version 1 is the SQLite store's schema after its third migration.
@@ -189,6 +195,8 @@ class PostgresArchive:
             kwargs={"autocommit": True},
             open=False,
             name="archive",
+            timeout=POOL_WAIT_S,
+            reconnect_timeout=RECONNECT_GIVE_UP_S,
         )
         try:
             await pool.open(wait=True, timeout=CONNECT_TIMEOUT_S)
