@@ -2,8 +2,9 @@
 
 Running jobs go on (their logs are appended to as long as the disk has room); what is refused is
 what would add to the disk: a submit, a package upload. A write that fails anyway because the
-disk filled up between the check and the write (SQLite's SQLITE_FULL, an OSError ENOSPC) is the
-same refusal (`storage_errors_refused`), never a 500; SQLite rolls the transaction back, so the
+disk filled up between the check and the write (SQLite's SQLITE_FULL, PostgreSQL's SQLSTATE
+53100 `disk_full` on the database's disk, an OSError ENOSPC) is the same refusal
+(`storage_errors_refused`), never a 500; the database rolls the transaction back, so the
 archive stays whole.
 """
 
@@ -30,6 +31,9 @@ REUSE_HEADROOM_BYTES = 256 * 1024 * 1024
 REUSE_S = 0.5
 # The errno values that say "the disk (or the user's quota on it) is full".
 _DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+# PostgreSQL's SQLSTATE for it (psycopg.errors.DiskFull), read from the error's `sqlstate`:
+# psycopg is not imported by a server on SQLite.
+POSTGRES_DISK_FULL_SQLSTATE = "53100"
 
 
 @dataclass(frozen=True)
@@ -127,9 +131,10 @@ def _nearest_existing(path: Path) -> Path:
 
 
 def is_disk_full(error: BaseException) -> bool:
-    """Whether `error` is a write that failed for want of disk space, or an error raised while
-    handling one (SQLite rolls a transaction back itself on SQLITE_FULL, so the caller's own
-    ROLLBACK then fails with "no transaction is active")."""
+    """Whether `error` is a write that failed for want of disk space (here, or on the
+    PostgreSQL server's disk), or an error raised while handling one (SQLite rolls a
+    transaction back itself on SQLITE_FULL, so the caller's own ROLLBACK then fails with "no
+    transaction is active")."""
     seen: set[int] = set()
     current: BaseException | None = error
     while current is not None and id(current) not in seen:
@@ -137,7 +142,10 @@ def is_disk_full(error: BaseException) -> bool:
         if isinstance(current, sqlite3.Error):
             if getattr(current, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
                 return True
-        elif isinstance(current, OSError) and current.errno in _DISK_FULL_ERRNOS:
+        elif isinstance(current, OSError):
+            if current.errno in _DISK_FULL_ERRNOS:
+                return True
+        elif getattr(current, "sqlstate", None) == POSTGRES_DISK_FULL_SQLSTATE:
             return True
         current = current.__cause__ or current.__context__
     return False

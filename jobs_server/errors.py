@@ -23,6 +23,7 @@ JobsServerError
 │   └── QueueFullError         the queue of jobs waiting for a slot is full (global or tenant)
 ├── InsufficientStorageError   the state directory's disk is (nearly) full (507)
 ├── UnsupportedMediaTypeError  a body that is not JSON
+├── DatabaseUnavailableError   the archive's database (PostgreSQL) does not answer now (503)
 └── ClusterUnavailableError    Ray could not be reached
     └── SupervisorUnreachableError  a job's supervisor cannot be reached (its node may be failing)
 """
@@ -168,6 +169,19 @@ class InsufficientStorageError(JobsServerError):
     """The disk that holds the jobs' records and logs has too little free space for new work."""
 
     code = "insufficient_storage"
+
+
+# How long a client is asked to wait after a 503 for a database that does not answer: about what
+# PostgreSQL takes to restart (its crash recovery included), and the pool to reconnect.
+DATABASE_RETRY_AFTER_S = 5
+
+
+class DatabaseUnavailableError(JobsServerError):
+    """The archive's database does not answer now (down, restarting, unreachable); the request
+    may be retried. Nothing was recorded by the request that got it, unless it says so."""
+
+    code = "database_unavailable"
+    headers: ClassVar[dict[str, str]] = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
 
 
 class ClusterUnavailableError(JobsServerError):

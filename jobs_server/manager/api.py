@@ -27,6 +27,10 @@ class JobManagerApi(Protocol):
     of another tenant raises the same JobNotFoundError as an unknown id, so ids do not leak.
     """
 
+    async def check_database(self) -> None:
+        """DatabaseUnavailableError unless the archive's database answers a trivial read now."""
+        ...
+
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job (PENDING) of `tenant` and start it, or queue it over a cap;
         DuplicateJobError if its id is taken (by any tenant), QueueFullError (nothing recorded)

@@ -23,7 +23,9 @@ from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedR
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
+from jobs_server.manager.archive.outage import probe_database
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
+from jobs_server.manager.archive.sqlite import Archive as SqliteArchive
 from jobs_server.manager.archive.sqlite import JobQuery, UnknownCursorError
 from jobs_server.manager.cluster.leaving import ClusterAtShutdown
 from jobs_server.manager.cluster.resources import ClusterResources
@@ -219,6 +221,15 @@ class JobManager:
         await self._ends.close()
         await self._watchers.close()
         await self._launcher.close()
+
+    async def check_database(self) -> None:
+        """DatabaseUnavailableError unless the archive answers a trivial read (the events' id
+        range: two index lookups) within a second: the probe's view of the database."""
+        if isinstance(self._archive, SqliteArchive):
+            # A file on this disk, read by one thread: no connection to lose, and a probe
+            # would wait behind a long list.
+            return
+        await probe_database(self._archive.event_id_range())
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at

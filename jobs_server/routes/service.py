@@ -32,11 +32,13 @@ routes = web.RouteTableDef()
 @routes.get("/api/healthz", name="healthz")
 async def healthz(request: web.Request) -> web.Response:
     """200 once the server is connected to Ray and serving; 503 (saying why) while Ray's GCS
-    is away. It reads what the cluster watch last saw, so a probe costs no call to Ray. A nearly
-    full disk is reported, not a failure: the server still serves and its jobs go on."""
+    is away or the archive's database does not answer. It reads what the cluster watch last
+    saw, so a probe costs no call to Ray, and one trivial read of the archive. A nearly full
+    disk is reported, not a failure: the server still serves and its jobs go on."""
     health = request.app.get(CLUSTER_HEALTH_KEY)
     if health is not None:
         health.check()
+    await request.app[JOB_MANAGER_KEY].check_database()
     space = await request.app[DISK_GUARD_KEY].space()
     disk = DiskHealth(
         free_bytes=space.free_bytes, min_free_bytes=space.min_free_bytes, low=space.is_low

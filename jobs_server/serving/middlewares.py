@@ -25,6 +25,7 @@ from jobs_server.errors import (
     ClusterUnavailableError,
     ConflictError,
     CrossSiteRequestError,
+    DatabaseUnavailableError,
     HostNotAllowedError,
     InsufficientStorageError,
     InvalidRequestError,
@@ -37,6 +38,11 @@ from jobs_server.errors import (
     QueueFullError,
     TooManyRequestsError,
     UnsupportedMediaTypeError,
+)
+from jobs_server.manager.archive.outage import (
+    UNAVAILABLE_MESSAGE,
+    first_line,
+    is_database_unavailable,
 )
 from jobs_server.manager.tenancy import ANONYMOUS_ADMIN
 from jobs_server.metrics import CANCELLED_REQUEST_STATUS, route_name
@@ -59,6 +65,7 @@ _STATUS_BY_ERROR: dict[type[JobsServerError], int] = {
     UnsupportedMediaTypeError: 415,
     TooManyRequestsError: 429,
     ClusterUnavailableError: 503,
+    DatabaseUnavailableError: 503,
     InsufficientStorageError: 507,
 }
 
@@ -92,9 +99,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except JobsServerError as error:
         if isinstance(error, QueueFullError):
             request.app[METRICS_KEY].observe_queue_full(request[PRINCIPAL_KEY].tenant)
-        response = error_response(status_for(error), error.code, error.message)
-        response.headers.update(error.response_headers())
-        return response
+        return _domain_error_response(error)
     except web.HTTPException as error:
         if error.status < 400:
             raise
@@ -116,8 +121,23 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             # fails quietly on the closed connection.
             logger.debug("%s %s: the client went away", request.method, request.path)
             return web.Response(status=CANCELLED_REQUEST_STATUS)
+        if is_database_unavailable(error):
+            # Any read or write of the archive may meet it: a line, not a traceback per request.
+            logger.warning(
+                "%s %s: the database does not answer: %s",
+                request.method,
+                request.path,
+                first_line(error),
+            )
+            return _domain_error_response(DatabaseUnavailableError(UNAVAILABLE_MESSAGE))
         logger.exception("unexpected error handling %s %s", request.method, request.path)
         return error_response(500, "internal_error", "The server failed to handle the request.")
+
+
+def _domain_error_response(error: JobsServerError) -> web.Response:
+    response = error_response(status_for(error), error.code, error.message)
+    response.headers.update(error.response_headers())
+    return response
 
 
 def _client_left(request: web.Request) -> bool:

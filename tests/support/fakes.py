@@ -235,6 +235,9 @@ class FakeJobManager:
             )
         )
 
+    async def check_database(self) -> None:
+        """Its records are in memory: always there."""
+
     async def count_by_tenant(
         self, *, tenant: str | None = None
     ) -> dict[str, dict[JobStatus, int]]:

@@ -58,6 +58,8 @@ class PostgresServer:
     port: int
     pid: int
     bin_dir: Path
+    # Whether a commit it acknowledged survives its crash (off by default: a test's data).
+    durable: bool = False
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -92,8 +94,9 @@ def _as_server_user(command: list[str]) -> list[str]:
 
 
 @contextlib.contextmanager
-def running_postgres() -> Iterator[PostgresServer]:
-    """A PostgreSQL server for as long as the context lasts (durability off: a test's data)."""
+def running_postgres(*, durable: bool = False) -> Iterator[PostgresServer]:
+    """A PostgreSQL server for as long as the context lasts (durability off, unless `durable`:
+    a test that crashes it needs what it acknowledged to survive, as a real database's does)."""
     bin_dir = postgres_bin_dir()
     if bin_dir is None:
         raise RuntimeError("PostgreSQL is not installed: run scripts/install-system-packages")
@@ -123,37 +126,81 @@ def running_postgres() -> Iterator[PostgresServer]:
         stderr=subprocess.PIPE,
     )
     port = free_port()
-    options = (
-        f"-p {port} -k {directory} -c listen_addresses=127.0.0.1"
-        " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
-    )
-    pid = None
     try:
-        subprocess.run(
-            _as_server_user(
-                [
-                    str(bin_dir / "pg_ctl"),
-                    "--pgdata",
-                    str(data),
-                    "--log",
-                    str(directory / "server.log"),
-                    "--options",
-                    options,
-                    "--wait",
-                    f"--timeout={_START_TIMEOUT_S}",
-                    "start",
-                ]
-            ),
-            check=True,
-            stdout=subprocess.DEVNULL,
+        pid = _start(bin_dir, directory, port, durable=durable)
+        yield PostgresServer(
+            directory=directory, port=port, pid=pid, bin_dir=bin_dir, durable=durable
         )
-        pid = int((data / "postmaster.pid").read_text().split("\n", 1)[0])
-        wait_until(lambda: accepts_connections("127.0.0.1", port), _START_TIMEOUT_S, "postgres")
-        yield PostgresServer(directory=directory, port=port, pid=pid, bin_dir=bin_dir)
     finally:
-        if pid is not None:
-            _stop(pid)
+        # The postmaster running now (its file is gone once it stopped): a test may have
+        # stopped the first and started another on the same directory.
+        running = _postmaster_pid(data)
+        if running is not None:
+            _stop(running)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _start(bin_dir: Path, directory: Path, port: int, *, durable: bool) -> int:
+    """Start the server of `directory` (its data dir `data`) on `port`; its postmaster's pid,
+    once it accepts connections."""
+    data = directory / "data"
+    options = f"-p {port} -k {directory} -c listen_addresses=127.0.0.1"
+    if not durable:
+        options += " -c fsync=off -c synchronous_commit=off -c full_page_writes=off"
+    subprocess.run(
+        _as_server_user(
+            [
+                str(bin_dir / "pg_ctl"),
+                "--pgdata",
+                str(data),
+                "--log",
+                str(directory / "server.log"),
+                "--options",
+                options,
+                "--wait",
+                f"--timeout={_START_TIMEOUT_S}",
+                "start",
+            ]
+        ),
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    pid = _postmaster_pid(data)
+    assert pid is not None
+    wait_until(lambda: accepts_connections("127.0.0.1", port), _START_TIMEOUT_S, "postgres")
+    return pid
+
+
+def _postmaster_pid(data: Path) -> int | None:
+    try:
+        return int((data / "postmaster.pid").read_text().split("\n", 1)[0])
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def stop_immediately(server: PostgresServer) -> None:
+    """`pg_ctl stop -m immediate`: every connection cut at once, no checkpoint (a crash, as
+    far as clients can tell); the next start recovers from the WAL."""
+    subprocess.run(
+        _as_server_user(
+            [
+                str(server.bin_dir / "pg_ctl"),
+                "--pgdata",
+                str(server.directory / "data"),
+                "--mode",
+                "immediate",
+                "--wait",
+                "stop",
+            ]
+        ),
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+
+
+def start_again(server: PostgresServer) -> None:
+    """Start a server `stop_immediately` stopped: the same data dir and port."""
+    _start(server.bin_dir, server.directory, server.port, durable=server.durable)
 
 
 def _stop(pid: int) -> None:

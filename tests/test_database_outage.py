@@ -1,0 +1,202 @@
+"""What a client and an operator see while the PostgreSQL database of a server on `--database-url`
+is away (issue 34, item 1; the restart test of item 3 builds on it): every request that needs the
+archive answers 503 `database_unavailable` with a Retry-After (never a 500 or a traceback),
+`/api/healthz` says so, nothing accepted before is lost, and once the database is back the same
+server serves again (its pool reconnects) and a job that ended during the outage is archived
+with its true end. And a full disk on PostgreSQL is the disk guard's 507, as SQLite's is."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+import requests
+
+from jobs_server.disk_guard import is_disk_full
+from tests.support.postgres import (
+    PostgresServer,
+    running_postgres,
+    start_again,
+    stop_immediately,
+)
+from tests.support.processes import free_port, stop_leader_then_group, wait_until
+from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.servers import start_jobs_server, wait_for_server
+
+pytestmark = pytest.mark.postgres
+
+# Generous: a loaded machine (the suite in parallel on 2 cores) answers late, never wrongly.
+REQUEST_TIMEOUT_S = 60
+DEADLINE_S = 60
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[PostgresServer]:
+    """A PostgreSQL server of this test's own: the session's is shared by a worker's tests, and
+    this one stops it. Durable, as a real one: what it acknowledged survives its crash (the
+    session's, without fsync and with asynchronous commits, loses the last commits)."""
+    with running_postgres(durable=True) as server:
+        yield server
+
+
+def assert_database_unavailable(response: requests.Response) -> dict[str, Any]:
+    """The 503 a client can act on: JSON in the server's error shape, code
+    database_unavailable, and when to retry."""
+    assert response.status_code == 503, (response.status_code, response.text)
+    assert response.headers["Content-Type"].startswith("application/json")
+    assert int(response.headers["Retry-After"]) > 0
+    error: dict[str, Any] = response.json()["error"]
+    assert error["code"] == "database_unavailable", error
+    assert "Traceback" not in error["message"]
+    return error
+
+
+def archived_status(database_url: str, submission_id: str) -> str | None:
+    """The job's status in the archive's own row (not a live overlay): what the history says."""
+    with psycopg.connect(database_url) as db:
+        row = db.execute(
+            "SELECT status FROM jobs WHERE submission_id = %s", (submission_id,)
+        ).fetchone()
+    return None if row is None else str(row[0])
+
+
+@pytest.mark.slow
+def test_a_database_outage_answers_503_and_the_server_recovers_on_its_own(
+    tmp_path: Path, ray_connection: str, own_postgres: PostgresServer
+) -> None:
+    database_url = own_postgres.create_database()
+    namespace = f"db_outage_{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    log_path = tmp_path / "server.log"
+    process = start_jobs_server(
+        [
+            *("--port", str(port)),
+            *("--ray-address", ray_connection),
+            *("--state-dir", str(tmp_path / "state")),
+            *("--database-url", database_url),
+            *("--namespace", namespace),
+        ],
+        log_path,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(url, process, log_path, timeout_s=120)
+        # A job that ended before the outage, and one that ends during it.
+        kept = requests.post(
+            f"{url}/api/jobs/",
+            json={"entrypoint": "echo kept", "submission_id": "kept"},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert kept.status_code == 200, kept.text
+        wait_until(
+            lambda: archived_status(database_url, "kept") == "SUCCEEDED",
+            DEADLINE_S,
+            "the first job to succeed",
+        )
+        during = requests.post(
+            f"{url}/api/jobs/",
+            json={"entrypoint": "sleep 2; echo ended", "submission_id": "during"},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert during.status_code == 200, during.text
+
+        stop_immediately(own_postgres)
+        outage_started = time.monotonic()
+        refused: dict[str, tuple[int, str]] = {}
+        for what, method, path in [
+            ("submit", "POST", "/api/jobs/"),
+            ("get", "GET", "/api/jobs/kept"),
+            ("list", "GET", "/api/jobs/"),
+            ("list page", "GET", "/api/jobs/?limit=10"),
+            ("stop", "POST", "/api/jobs/kept/stop"),
+            ("delete", "DELETE", "/api/jobs/kept"),
+            ("healthz", "GET", "/api/healthz"),
+        ]:
+            body = {"entrypoint": "true", "submission_id": "refused"} if what == "submit" else None
+            response = requests.request(
+                method, f"{url}{path}", json=body, timeout=REQUEST_TIMEOUT_S
+            )
+            try:
+                assert_database_unavailable(response)
+            except (AssertionError, KeyError, ValueError):
+                refused[what] = (response.status_code, response.text)
+        assert refused == {}
+        # The job's end came while the database was away (its supervisor wrote it in the KV).
+        time.sleep(max(0.0, 4.0 - (time.monotonic() - outage_started)))
+        assert process.poll() is None, log_path.read_text()
+
+        start_again(own_postgres)
+        wait_until(
+            lambda: requests.get(f"{url}/api/healthz", timeout=REQUEST_TIMEOUT_S).ok,
+            DEADLINE_S,
+            "the probe to answer 200 again",
+        )
+        # The same server process, its pool reconnected: nothing lost, the end archived.
+        wait_until(
+            lambda: archived_status(database_url, "during") == "SUCCEEDED",
+            DEADLINE_S,
+            "the end of the job that ended during the outage to be archived",
+        )
+        wait_until(
+            lambda: requests.get(f"{url}/api/jobs/kept", timeout=REQUEST_TIMEOUT_S).ok,
+            DEADLINE_S,
+            "a get to answer again",
+        )
+        jobs = requests.get(f"{url}/api/jobs/", timeout=REQUEST_TIMEOUT_S).json()
+        assert sorted((job["submission_id"], job["status"]) for job in jobs) == [
+            ("during", "SUCCEEDED"),
+            ("kept", "SUCCEEDED"),
+        ]
+        logs = requests.get(f"{url}/api/jobs/during/logs", timeout=REQUEST_TIMEOUT_S).json()
+        assert logs["logs"] == "ended\n"
+        after = requests.post(
+            f"{url}/api/jobs/",
+            json={"entrypoint": "echo after", "submission_id": "after"},
+            timeout=REQUEST_TIMEOUT_S,
+        )
+        assert after.status_code == 200, after.text
+        wait_until(
+            lambda: archived_status(database_url, "after") == "SUCCEEDED",
+            DEADLINE_S,
+            "a job submitted after the outage to succeed",
+        )
+        deleted = requests.delete(f"{url}/api/jobs/kept", timeout=REQUEST_TIMEOUT_S)
+        assert deleted.status_code == 200, deleted.text
+        assert process.poll() is None
+    finally:
+        stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
+        kill_actors_in_namespace(namespace)
+    # No request ended in the 500 path (its line is "unexpected error handling ...").
+    assert "unexpected error handling" not in log_path.read_text()
+
+
+class _DiskFull(Exception):
+    """What psycopg raises for SQLSTATE 53100 (psycopg.errors.DiskFull), by its attribute."""
+
+    sqlstate = "53100"
+
+
+@pytest.mark.parametrize(
+    ("error", "full"),
+    [
+        (psycopg.errors.DiskFull("could not extend file: No space left on device"), True),
+        (_DiskFull("could not write to file"), True),
+        (psycopg.errors.UniqueViolation("duplicate key"), False),
+        (psycopg.OperationalError("server closed the connection unexpectedly"), False),
+        (sqlite3.OperationalError("database or disk is full"), False),
+    ],
+    ids=["psycopg-disk-full", "sqlstate-53100", "unique-violation", "connection-lost", "sqlite"],
+)
+def test_postgres_full_disk_is_recognised_by_its_sqlstate(error: Exception, full: bool) -> None:
+    assert is_disk_full(error) is full
+    # Raised while handling one (a rollback that fails after the write did) counts too.
+    during_handling = RuntimeError("rollback failed")
+    during_handling.__context__ = error
+    assert is_disk_full(during_handling) is full
