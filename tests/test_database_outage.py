@@ -7,6 +7,7 @@ with its true end. And a full disk on PostgreSQL is the disk guard's 507, as SQL
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sqlite3
 import time
@@ -20,6 +21,8 @@ import pytest
 import requests
 
 from jobs_server.disk_guard import is_disk_full
+from jobs_server.manager.live.deferred_ends import DeferredEnds
+from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 from tests.support.postgres import (
     PostgresServer,
     running_postgres,
@@ -200,3 +203,41 @@ def test_postgres_full_disk_is_recognised_by_its_sqlstate(error: Exception, full
     during_handling = RuntimeError("rollback failed")
     during_handling.__context__ = error
     assert is_disk_full(during_handling) is full
+
+
+class _HistoryWhileTheDatabaseIsAway:
+    """A JobHistory whose archive refuses the first write as a lost connection does."""
+
+    def __init__(self) -> None:
+        self.archived: list[str] = []
+        self.forgotten: list[str] = []
+        self.forgot = asyncio.Event()
+
+    async def archive_end(self, ended: JobRecord) -> JobRecord | None:
+        raise psycopg.OperationalError("server closed the connection unexpectedly")
+
+    async def learn_end(self, record: JobRecord, *, ended: JobRecord | None = None) -> JobRecord:
+        self.archived.append(record.submission_id)
+        return record
+
+    async def forget(self, record: JobRecord, archived: JobRecord | None = None) -> None:
+        self.forgotten.append(record.submission_id)
+        self.forgot.set()
+
+
+async def test_an_end_decided_while_the_database_is_away_is_archived_once_it_is_back() -> None:
+    """An end the server decides itself (a stop before the start, a refused hand-over) is in
+    the KV; the archive takes it later, as on a full disk, instead of failing the caller."""
+    history = _HistoryWhileTheDatabaseIsAway()
+    ends = DeferredEnds(history)  # type: ignore[arg-type]
+    ended = JobRecord(
+        spec=JobSpec(entrypoint="true", submission_id="stopped"),
+        run_id=new_run_id(),
+        status=JobStatus.STOPPED,
+    )
+    assert await ends.archive(ended) is False
+    assert ends.waiting_ids() == {"stopped"}
+    await asyncio.wait_for(history.forgot.wait(), DEADLINE_S)
+    assert history.archived == ["stopped"]
+    assert history.forgotten == ["stopped"]
+    await ends.close()

@@ -1,5 +1,6 @@
 """Ends the server decides itself (a stop before the start, a hand-over that Ray refused), archived
-now or, when the archive's disk is full, as soon as it takes them.
+now or, when the archive's disk is full or its database away (outage.py), as soon as it takes
+them.
 
 Such an end is in the KV before it is archived (the caller wrote it there): a client reads it at
 once (a live row is overlaid with what the KV says), and a server that stops before the disk
@@ -13,6 +14,7 @@ import asyncio
 import logging
 
 from jobs_server.disk_guard import is_disk_full
+from jobs_server.manager.archive.outage import is_database_unavailable
 from jobs_server.manager.live.history import RETRY_INITIAL_S, JobHistory
 from jobs_server.manager.records import JobRecord
 
@@ -33,15 +35,17 @@ class DeferredEnds:
 
     async def archive(self, ended: JobRecord) -> bool:
         """Archive the end `ended` (already in the KV): True if it is archived now, False if
-        the disk is full (it is archived, and forgotten in the KV, once the disk takes it).
-        Any other error is raised."""
+        the disk is full or the database away (it is archived, and forgotten in the KV, once
+        the archive takes it). Any other error is raised."""
         try:
             await self._history.archive_end(ended)
         except Exception as error:
-            if not is_disk_full(error):
+            full = is_disk_full(error)
+            if not full and not is_database_unavailable(error):
                 raise
             logger.warning(
-                "the disk is full: the end of job %s (%s) is archived once it takes it",
+                "%s: the end of job %s (%s) is archived once it takes it",
+                "the disk is full" if full else "the database does not answer",
                 ended.submission_id,
                 ended.status,
             )
@@ -54,7 +58,7 @@ class DeferredEnds:
         return True
 
     async def _archive_later(self, ended: JobRecord) -> None:
-        await asyncio.sleep(RETRY_INITIAL_S)  # the disk was full a moment ago
+        await asyncio.sleep(RETRY_INITIAL_S)  # the archive refused it a moment ago
         archived = await self._history.learn_end(ended, ended=ended)
         logger.info("the end of job %s is archived", ended.submission_id)
         await self._history.forget(ended, archived)

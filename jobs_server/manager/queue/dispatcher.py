@@ -29,6 +29,7 @@ import ray
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
 from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.outage import is_database_unavailable
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.live.history import JobHistory
@@ -239,12 +240,13 @@ class Dispatcher:
             await self._history.forget(failed)
 
     async def _archive_stop_of_queued(self, stopped: JobRecord) -> None:
-        """Archive the end of a queued job; on a full disk the KV holds it (read at once, and
-        by a restart's recovery, which archives it) until the disk takes it."""
+        """Archive the end of a queued job; on a full disk (or with the database away) the KV
+        holds it (read at once, and by a restart's recovery, which archives it) until the
+        archive takes it."""
         try:
             await self._history.archive_end(stopped)
         except Exception as error:
-            if not is_disk_full(error):
+            if not is_disk_full(error) and not is_database_unavailable(error):
                 raise
             await self._store.create(stopped)
             await self._ends.archive(stopped)
