@@ -208,7 +208,7 @@ async def test_jobs_archived_before_tenants_are_the_default_tenants(tmp_path: Pa
         "UPDATE jobs SET tenant = NULL, record = replace(record, ',\"tenant\":\"default\"', '')"
         " WHERE submission_id = 'old'; UPDATE events SET tenant = NULL WHERE submission_id ="
         " 'old'; DROP INDEX jobs_tenant_seq; DROP INDEX jobs_tenant_status;"
-        " DROP TABLE deleted_runs; PRAGMA user_version = 1;"
+        " DROP TABLE deleted_runs; DROP TABLE leases; PRAGMA user_version = 1;"
     )
     assert (
         '"tenant"'

@@ -192,7 +192,7 @@ class ReplicaLeases:
     replica_id: str = field(default_factory=new_replica_id)
     ttl_s: float = LEASE_TTL_S
     counters: LeaseCounters = field(default_factory=LeaseCounters)
-    _held: dict[str, Lease] = field(default_factory=dict)
+    _held: dict[str, Lease] = field(default_factory=dict, init=False, repr=False)
 
     async def register(self) -> Lease:
         """Take this replica's own lease (`replica:<id>`): its entry in the registry."""
