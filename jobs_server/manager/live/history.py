@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.outage import first_line, is_database_unavailable
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord
 
@@ -67,9 +68,13 @@ class JobHistory:
                 await self._archive.update(written)
             else:
                 await self.learn(record)
-        except Exception:
+        except Exception as error:
+            away = is_database_unavailable(error)
             logger.warning(
-                "archiving the start of job %s failed", record.submission_id, exc_info=True
+                "archiving the start of job %s failed%s",
+                record.submission_id,
+                f": the database does not answer ({first_line(error)})" if away else "",
+                exc_info=not away,
             )
 
     async def learn_end(
@@ -87,13 +92,19 @@ class JobHistory:
                     return await self._archive.update(ended)
                 return await self.learn(record)
             except Exception as error:
-                # A full disk is said in a line (it may last); anything else with its traceback.
+                # A full disk or a database away is said in a line (it may last); anything
+                # else with its traceback.
+                reason = ""
+                if is_disk_full(error):
+                    reason = ": the disk is full"
+                elif is_database_unavailable(error):
+                    reason = f": the database does not answer ({first_line(error)})"
                 logger.warning(
                     "archiving the end of job %s failed%s; trying again in %.1f s",
                     record.submission_id,
-                    ": the disk is full" if is_disk_full(error) else "",
+                    reason,
                     delay_s,
-                    exc_info=not is_disk_full(error),
+                    exc_info=not reason,
                 )
             await asyncio.sleep(delay_s)
             delay_s = min(delay_s * 2, RETRY_MAX_S)
