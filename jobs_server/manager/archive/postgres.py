@@ -48,6 +48,7 @@ from jobs_server.manager.archive.new_rows import (
     plan_new_rows,
     values_placeholders,
 )
+from jobs_server.manager.archive.pg_events import EventRelay, announce_events
 from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS, JobQuery
 from jobs_server.manager.archive.sqlite import DEFAULT_MAX_EVENTS, MAX_DELETED_RUNS
 from jobs_server.manager.records import (
@@ -184,6 +185,8 @@ class PostgresArchive:
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._pending: list[_Pending] = []
         self._committing: asyncio.Task[None] | None = None
+        # Other replicas' events, and this one's, to `on_events` in id order (pg_events.py).
+        self._relay: EventRelay | None = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -206,10 +209,21 @@ class PostgresArchive:
             await pool.close()
             raise
         self._pool = pool
+        if self._on_events is not None:
+            relay = EventRelay(self._url, self, self._on_events)
+            try:
+                await relay.start()
+            except BaseException:
+                await self.close()
+                raise
+            self._relay = relay
 
     async def close(self) -> None:
         while self._committing is not None:
             await asyncio.shield(self._committing)
+        if self._relay is not None:
+            await self._relay.stop()
+            self._relay = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -221,7 +235,9 @@ class PostgresArchive:
         return self._pool.connection()
 
     def _notify(self, events: list[JobEvent]) -> None:
-        if events and self._on_events is not None:
+        if events and self._relay is not None:
+            self._relay.committed(events)
+        elif events and self._on_events is not None:
             try:
                 self._on_events(events)
             except Exception:
@@ -291,6 +307,7 @@ class PostgresArchive:
                     except Exception as error:
                         raise _WriteFailed from error
             await self._trim_events(db)
+            await announce_events(db, [e for ok, value in outcomes if ok for e in value[1]])
         return outcomes
 
     # -- writes -----------------------------------------------------------------------------
@@ -306,6 +323,7 @@ class PostgresArchive:
             await db.execute(LOCK, (EVENTS_LOCK_KEY,))
             events = [event for record in records for event in await self._insert_row(db, record)]
             await self._trim_events(db)
+            await announce_events(db, events)
         self._notify(events)
 
     async def _add_new_rows(
