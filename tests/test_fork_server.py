@@ -149,9 +149,12 @@ async def test_a_command_has_ended_once_its_shell_has_even_while_its_waiter_is_h
     job's process; forked between, a launcher waits for the init."""
     if os.geteuid() != 0:
         pytest.skip("a PID namespace needs CAP_SYS_ADMIN")
+    go = tmp_path / "go"
     async with subreaper_fork_server(clone_parent=clone_parent) as forks:
         process = await forks.spawn(
-            "sleep 0.5",
+            # Ends once told, after its waiter is held: a fixed sleep could end first on a
+            # loaded machine (then the shell is gone before the test looks: NoSuchProcess).
+            f"while [ ! -e {go} ]; do sleep 0.02; done",
             log_path=tmp_path / "job.log",
             env=job_env("held"),
             containment=Containment.PID_NAMESPACE,
@@ -165,6 +168,7 @@ async def test_a_command_has_ended_once_its_shell_has_even_while_its_waiter_is_h
         waiter = init if held == "init" else psutil.Process(process.pid)
         waiter.suspend()
         try:
+            go.touch()
             ended = shell if held == "init" else init
             await wait_until(
                 lambda: ended.status() == psutil.STATUS_ZOMBIE, "the shell never ended"
