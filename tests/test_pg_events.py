@@ -280,3 +280,26 @@ def test_a_client_of_one_server_sees_the_jobs_submitted_on_another(
     finally:
         for _, process in servers:
             stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
+
+
+async def test_an_event_without_a_notification_is_read_within_the_catch_up_interval(
+    monkeypatch: pytest.MonkeyPatch, postgres_url: str
+) -> None:
+    """An event whose notification never came (one committed without it, as a server of an
+    older version writes them, or sent while the listener reconnected) is delivered by the
+    periodic read all the same."""
+    monkeypatch.setattr(pg_events, "CATCH_UP_INTERVAL_S", 0.2)
+    replica = Replica(postgres_url)
+    await replica.archive.open()
+    try:
+        await replica.archive.insert(record("notified"))
+        async with await psycopg.AsyncConnection.connect(postgres_url, autocommit=True) as db:
+            await db.execute(
+                "INSERT INTO events (type, submission_id, time) VALUES ('deleted', 'silent', 0)"
+            )
+        ids = await committed_ids(postgres_url)
+        await heard_everything(replica, ids)
+        assert replica.ids() == ids
+        assert replica.heard[-1].submission_id == "silent"
+    finally:
+        await replica.archive.close()

@@ -170,6 +170,7 @@ class EventRelay:
             await asyncio.sleep(RECONNECT_DELAY_S)
 
     async def _catch_up_forever(self) -> None:
+        failing = False
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wanted.wait(), CATCH_UP_INTERVAL_S)
@@ -177,8 +178,12 @@ class EventRelay:
             try:
                 await self._catch_up()
             except Exception as error:  # the database away: the next wake-up tries again
-                logger.warning("could not read the events other replicas wrote: %s", error)
+                if not failing:  # once per outage
+                    logger.warning("could not read the events other replicas wrote: %s", error)
+                    failing = True
                 await asyncio.sleep(RECONNECT_DELAY_S)
+            else:
+                failing = False
 
     async def _catch_up(self) -> None:
         """Deliver every committed event after the cursor."""
