@@ -153,7 +153,7 @@ class EventRelay:
                 async for notification in connection.notifies():
                     if _last_id(notification.payload) > self._delivered_id:
                         self._wanted.set()
-            except psycopg.Error as error:
+            except Exception as error:  # psycopg's errors, and any other: never die
                 if not away:
                     logger.warning(
                         "the events listener lost its database connection (%s);"
