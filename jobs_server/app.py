@@ -40,6 +40,7 @@ from jobs_server.manager import (
     DashboardRegistration,
     JobManager,
     PackageStore,
+    RayConnection,
     RayDrivers,
     connect_to_ray,
     disconnect_from_ray,
@@ -51,6 +52,7 @@ from jobs_server.manager.archive.event_feed import EventFeed
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import create_archive
 from jobs_server.manager.archive.retention import RetentionPolicy
+from jobs_server.manager.archive.sole_server import SoleServer
 from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.tenancy import RunAs
@@ -210,6 +212,18 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     )
     event_feed = EventFeed(archive)
     await archive.open()
+    sole_server: SoleServer | None = None
+    if settings.database_url is not None:
+
+        def lost_the_database(reason: str) -> None:
+            exit_for_lost_database(connection, reason)
+
+        try:
+            sole_server = await SoleServer.take(archive, on_lost=lost_the_database)
+        except BaseException:
+            await archive.close()
+            await asyncio.to_thread(disconnect_from_ray, connection)
+            raise
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
@@ -265,6 +279,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             await cluster.answers()
             await manager.close(cluster)
         finally:
+            if sole_server is not None:
+                await sole_server.release()
             await archive.close()
             # ray.shutdown() waits on the GCS: asked again (milliseconds while it is there).
             await cluster.answers()
@@ -319,6 +335,21 @@ def exit_without_ray(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+# The exit status of a server whose database another server took over (EX_TEMPFAIL).
+DATABASE_LOST_EXIT_CODE = 75
+
+
+def exit_for_lost_database(connection: RayConnection, reason: str) -> None:
+    """Exit at once, non-zero: another server took this server's database over while it was
+    paused past its lease (sole_server.py), so it must write nothing more, not even a graceful
+    shutdown's ends. An embedded Ray's processes end with it; systemd or Kubernetes may start
+    it again, to wait for the database or be refused."""
+    logger.critical("another server took over the database, exiting at once: %s", reason)
+    disconnect_from_ray(connection, cluster_gone=True)
+    logging.shutdown()
+    os._exit(DATABASE_LOST_EXIT_CODE)
 
 
 def exit_for_lost_cluster(reason: str) -> None:

@@ -7,26 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import random
-import signal
-import subprocess
-import time
-import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from typing import Any
+from collections.abc import AsyncIterator
 
 import psycopg
 import pytest
-import requests
 
 from jobs_server.manager.archive import pg_events
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.postgres import PostgresArchive
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
-from tests.support.processes import free_port, poll_until, stop_leader_then_group
-from tests.support.servers import start_jobs_server, wait_for_server
+from tests.support.processes import poll_until
 
 pytestmark = pytest.mark.postgres
 
@@ -193,93 +184,6 @@ async def test_a_replica_opened_later_hears_what_follows_its_start(postgres_url:
     finally:
         await first.archive.close()
         await late.archive.close()
-
-
-def _start_server(
-    tmp_path: Path, name: str, ray_cluster: str, database_url: str
-) -> tuple[str, subprocess.Popen[bytes]]:
-    """A server on the shared database, in a Ray namespace of its own: two servers in one
-    namespace are not safe yet (no leases: issue 34, item 3)."""
-    port = free_port()
-    workdir = tmp_path / name
-    workdir.mkdir()
-    log_path = workdir / "server.log"
-    process = start_jobs_server(
-        [
-            *("--port", str(port)),
-            *("--ray-address", ray_cluster),
-            *("--state-dir", str(workdir / "state")),
-            *("--database-url", database_url),
-            *("--namespace", f"test_pg_events_{name}_{uuid.uuid4().hex[:8]}"),
-        ],
-        log_path,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for_server(url, process, log_path, timeout_s=120)
-    return url, process
-
-
-def _events_of(lines: Iterator[bytes], submission_id: str, until: str) -> list[dict[str, Any]]:
-    """The events of one job read from an NDJSON stream, up to its status `until` (within
-    60 s: heartbeats come every 15 s)."""
-    deadline = time.monotonic() + 60
-    events = []
-    for line in lines:
-        assert time.monotonic() < deadline, f"{submission_id} {until} never came: {events}"
-        event = json.loads(line)
-        if event.get("submission_id") == submission_id:
-            events.append(event)
-            if event["status"] == until:
-                return events
-    raise AssertionError("the stream ended")
-
-
-@pytest.mark.slow
-def test_a_client_of_one_server_sees_the_jobs_submitted_on_another(
-    tmp_path: Path, ray_cluster: str, postgres_url: str
-) -> None:
-    """Two real servers on one PostgreSQL: a client following `/api/events` on B sees a job
-    submitted on A run to its end, with the ids A's own stream gives them."""
-    servers = [
-        _start_server(tmp_path, name, ray_cluster, postgres_url) for name in ("first", "second")
-    ]
-    (url_a, _), (url_b, _) = servers
-    try:
-        with requests.get(
-            f"{url_b}/api/events", params={"format": "ndjson"}, stream=True, timeout=60
-        ) as following:
-            lines = following.iter_lines()
-            # B's own job first: once its event is read, B's stream is live (what follows
-            # reaches it by the feed, not by reading back a past it started before).
-            response = requests.post(
-                f"{url_b}/api/jobs/",
-                json={"entrypoint": "true", "submission_id": "on-b"},
-                timeout=60,
-            )
-            assert response.status_code == 200, response.text
-            _events_of(lines, "on-b", "SUCCEEDED")
-            response = requests.post(
-                f"{url_a}/api/jobs/",
-                json={"entrypoint": "echo hi", "submission_id": "on-a"},
-                timeout=60,
-            )
-            assert response.status_code == 200, response.text
-            seen_on_b = _events_of(lines, "on-a", "SUCCEEDED")
-        assert seen_on_b[0]["type"] == "submitted"
-        assert seen_on_b[-1]["job"]["status"] == "SUCCEEDED"
-        with requests.get(
-            f"{url_a}/api/events",
-            params={"format": "ndjson", "after": str(seen_on_b[0]["id"] - 1)},
-            stream=True,
-            timeout=60,
-        ) as on_a:
-            seen_on_a = _events_of(on_a.iter_lines(), "on-a", "SUCCEEDED")
-        assert [(event["id"], event["status"]) for event in seen_on_b] == [
-            (event["id"], event["status"]) for event in seen_on_a
-        ]
-    finally:
-        for _, process in servers:
-            stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
 
 
 async def test_an_event_without_a_notification_is_read_within_the_catch_up_interval(
