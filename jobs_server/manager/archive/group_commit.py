@@ -123,24 +123,9 @@ class GroupCommit:
                 )
             except BaseException as error:  # the whole transaction failed: each caller's error
                 outcomes = error
-            loop.call_soon_threadsafe(self._answer, batch, outcomes)
+            loop.call_soon_threadsafe(answer_batch, [item.answer for item in batch], outcomes)
         # Other work waits on this thread too (a bulk import): let it in, then go on.
         loop.call_soon_threadsafe(self._take_turn, loop)
-
-    @staticmethod
-    def _answer(batch: list[_Pending], outcomes: list[tuple[bool, Any]] | BaseException) -> None:
-        """On the loop: answer a committed batch's callers, in call order."""
-        for index, item in enumerate(batch):
-            if item.answer.done():
-                continue  # its caller went away; the write is committed all the same
-            if isinstance(outcomes, BaseException):
-                item.answer.set_exception(outcomes)
-                continue
-            ok, value = outcomes[index]
-            if ok:
-                item.answer.set_result(value)
-            else:
-                item.answer.set_exception(value)
 
     def _commit(self, writes: list[Write | NewRow]) -> list[tuple[bool, Any]]:
         """One transaction (on the archive's thread). The writes run one after another; if one
@@ -183,6 +168,23 @@ class GroupCommit:
             rollback(db)
             raise
         return outcomes
+
+
+def answer_batch(
+    answers: list[asyncio.Future[Any]], outcomes: list[tuple[bool, Any]] | BaseException
+) -> None:
+    """On the loop: answer a committed batch's callers, in call order (both stores)."""
+    for index, answer in enumerate(answers):
+        if answer.done():
+            continue  # its caller went away; the write is committed all the same
+        if isinstance(outcomes, BaseException):
+            answer.set_exception(outcomes)
+            continue
+        ok, value = outcomes[index]
+        if ok:
+            answer.set_result(value)
+        else:
+            answer.set_exception(value)
 
 
 def new_rows_together(writes: Sequence[_W | NewRow]) -> list[_W | list[NewRow]]:

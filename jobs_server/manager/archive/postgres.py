@@ -38,7 +38,7 @@ from psycopg_pool import AsyncConnectionPool
 from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive import queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
-from jobs_server.manager.archive.group_commit import NewRow, new_rows_together
+from jobs_server.manager.archive.group_commit import NewRow, answer_batch, new_rows_together
 from jobs_server.manager.archive.leases import POSTGRES_STATEMENTS, Fence, require_fence
 from jobs_server.manager.archive.new_rows import (
     EVENT_COLUMNS,
@@ -274,7 +274,7 @@ class PostgresArchive:
                     raise
                 except Exception as error:  # the whole transaction failed: each caller's
                     outcomes = error
-                _answer(batch, outcomes)
+                answer_batch([item.answer for item in batch], outcomes)
         finally:
             self._committing = None
 
@@ -554,21 +554,6 @@ class PostgresArchive:
         row = await self._row(queries.EVENT_ID_RANGE)
         assert row is not None  # an aggregate has a row
         return queries.id_range((row[0], row[1]))
-
-
-def _answer(batch: list[_Pending], outcomes: list[tuple[bool, Any]] | BaseException) -> None:
-    """Answer a committed batch's callers, in call order."""
-    for index, item in enumerate(batch):
-        if item.answer.done():
-            continue  # its caller went away; the write is committed all the same
-        if isinstance(outcomes, BaseException):
-            item.answer.set_exception(outcomes)
-            continue
-        ok, value = outcomes[index]
-        if ok:
-            item.answer.set_result(value)
-        else:
-            item.answer.set_exception(value)
 
 
 def _pg(select: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
