@@ -54,7 +54,17 @@ def future_of(answer: Any) -> asyncio.Future[Any]:
     a future of this loop (awaited, and checked for being done, without asking Ray again)."""
     if isinstance(answer, asyncio.Future):
         return answer
-    return asyncio.wrap_future(answer.future())
+    future = asyncio.wrap_future(answer.future())
+    # A call nobody waits for any more (its job stopped while it waited for resources, the
+    # server closing) fails when its supervisor is killed: its error is seen here, not left
+    # to asyncio's "Future exception was never retrieved". An awaiter still gets it.
+    future.add_done_callback(_seen)
+    return future
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 async def ends_at_once(record: JobRecord, finished: asyncio.Future[Any]) -> bool:
