@@ -18,6 +18,7 @@ from jobs_server.manager.queue.retries import (
     MIN_EXIT_CODE,
 )
 from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY, JobAttempt
+from jobs_server.manager.replica import ReplicaState
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -209,9 +210,51 @@ class DiskHealth(BaseModel):
     low: bool = Field(description="Below the threshold: submits and uploads are refused (507).")
 
 
+class DatabaseHealth(BaseModel):
+    """Extension: the database that holds this replica's history."""
+
+    backend: Literal["sqlite", "postgresql"] = Field(
+        description="SQLite in the state dir (the default), or PostgreSQL (--database-url)."
+    )
+    connected: bool = Field(
+        description="Whether it answered a trivial read within 1 s just now (SQLite: always)."
+    )
+
+
+class ReplicaHealth(BaseModel):
+    """Extension: this replica (server process), as it knows itself."""
+
+    id: str = Field(
+        description="host:pid:random; on PostgreSQL the holder its leases name.",
+        examples=["head-0:4242:9f2c1a7be310"],
+    )
+    database: DatabaseHealth
+    jobs_owned: int | None = Field(
+        description="The live jobs it answers for: watched (handed to a supervisor, not yet"
+        " ended) or waiting in its queue. They count every tenant's jobs: null unless the"
+        " caller may see every tenant's (an admin key, or a server without keys)."
+    )
+    leases_held: list[str] = Field(
+        description="The leases it holds on its PostgreSQL database (`server`: one server per"
+        " database); none on SQLite."
+    )
+
+    @classmethod
+    def from_state(cls, state: ReplicaState, *, sees_every_tenant: bool) -> ReplicaHealth:
+        return cls(
+            id=state.replica_id,
+            database=DatabaseHealth(
+                backend=state.database_backend, connected=state.database_connected
+            ),
+            jobs_owned=state.jobs_owned if sees_every_tenant else None,
+            leases_held=list(state.leases_held),
+        )
+
+
 class HealthResponse(BaseModel):
     status: Literal["ok"] = "ok"
     disk: DiskHealth
+    replica: ReplicaHealth
 
 
 class PackageResponse(BaseModel):
@@ -354,3 +397,9 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+class HealthUnavailableResponse(ErrorResponse):
+    """The probe's 503 `database_unavailable`: the error, and what this replica knows of itself."""
+
+    replica: ReplicaHealth

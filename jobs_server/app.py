@@ -252,6 +252,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         # Read at each decision, so the caps of a tokens file re-read on SIGHUP apply at once.
         tenant_limits=app[KEY_RING_KEY].limits_for,
         retry_backoff_s=settings.retry_backoff_s,
+        replica_leases=None if sole_server is None else sole_server.leases,
     )
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(connection.gcs_address)

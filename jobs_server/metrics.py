@@ -1,11 +1,12 @@
 """Prometheus metrics: HTTP requests by route, jobs by tenant and status, the queue (its jobs,
-its caps, its refusals, the retries) and the jobs each supervisor holds, read when scraped.
+its caps, its refusals, the retries), the jobs each supervisor holds and this replica's
+database, jobs and leases, read when scraped.
 
 The per-tenant series are made for each scrape from the caller's view: an admin sees every
 tenant's series, any other key only its own tenant's, and none of the server-wide series (HTTP
-requests, retention, supervisors), which count every tenant's work together. The caps are
-configuration, not any tenant's work: every caller sees the server's (an unlimited cap is
-exported as +Inf, so `used / cap` is 0 rather than missing)."""
+requests, retention, supervisors, the replica's), which count every tenant's work together.
+The caps are configuration, not any tenant's work: every caller sees the server's (an
+unlimited cap is exported as +Inf, so `used / cap` is 0 rather than missing)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from prometheus_client.registry import Collector
 
 from jobs_server.manager import JobStatus
 from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import TenantLimits
 
@@ -94,19 +96,25 @@ class ServerMetrics:
         by_tenant: Mapping[str, Mapping[JobStatus, int]],
         queue: QueueState,
         *,
+        jobs_counted: bool = True,
         supervisors: SupervisorOccupancy | None = None,
+        replica: ReplicaState | None = None,
     ) -> bytes:
         """The text exposition format: the per-tenant series of the tenants of `by_tenant` (its
-        job counts, every status, zeros included) and the queue's caps; first, the server-wide
-        series if `supervisors` is given (to an admin only)."""
+        job counts, every status, zeros included, unless not `jobs_counted`: the database did
+        not answer) and the queue's caps; first, the server-wide series if `supervisors` is
+        given, and the replica's if `replica` is (to an admin only)."""
         scraped = CollectorRegistry(auto_describe=False)
-        scraped.register(_JobCounts(by_tenant))
+        if jobs_counted:
+            scraped.register(_JobCounts(by_tenant))
         scraped.register(_QueueSeries(sorted(by_tenant), queue, self))
         text = generate_latest(scraped)
         if supervisors is None:
             return text
         server_wide = CollectorRegistry(auto_describe=False)
         server_wide.register(_SupervisorSeries(supervisors))
+        if replica is not None:
+            server_wide.register(_ReplicaSeries(replica))
         return generate_latest(self.registry) + generate_latest(server_wide) + text
 
 
@@ -156,6 +164,52 @@ class _SupervisorSeries(Collector):
             value=self._occupancy.own,
         )
         return [shared, own]
+
+
+class _ReplicaSeries(Collector):
+    """This replica: its database, the jobs it owns and its leases. Each series is there on
+    SQLite too (no leases: zeros), so a dashboard is the same whichever store a server uses."""
+
+    def __init__(self, replica: ReplicaState) -> None:
+        self._replica = replica
+
+    def collect(self) -> list[Metric]:
+        replica, leases = self._replica, self._replica.lease_counters
+        return [
+            GaugeMetricFamily(
+                "jobs_server_database_connected",
+                "1 if this replica's database answered a trivial read within 1 s at the scrape"
+                " (SQLite: always), else 0: the job counts are then left out.",
+                value=int(replica.database_connected),
+            ),
+            GaugeMetricFamily(
+                "jobs_server_jobs_owned",
+                "Live jobs this replica answers for: watched (handed to a supervisor, not yet"
+                " ended) or waiting in its queue.",
+                value=replica.jobs_owned,
+            ),
+            GaugeMetricFamily(
+                "jobs_server_leases_held",
+                "Leases this replica holds on its database (PostgreSQL: `server`; SQLite: none).",
+                value=len(replica.leases_held),
+            ),
+            CounterMetricFamily(
+                "jobs_server_leases_acquired",
+                "Leases this replica took since its start (free, expired or taken over).",
+                value=leases.acquired,
+            ),
+            CounterMetricFamily(
+                "jobs_server_leases_taken_over",
+                "Leases this replica took from another replica (or an earlier life of its"
+                " own) whose lease had expired.",
+                value=leases.taken_over,
+            ),
+            CounterMetricFamily(
+                "jobs_server_leases_lost",
+                "Leases this replica held and found taken over by another replica.",
+                value=leases.lost,
+            ),
+        ]
 
 
 def _cap(value: int | None) -> float:

@@ -120,7 +120,6 @@ def test_a_database_outage_answers_503_and_the_server_recovers_on_its_own(
             ("list page", "GET", "/api/jobs/?limit=10"),
             ("stop", "POST", "/api/jobs/kept/stop"),
             ("delete", "DELETE", "/api/jobs/kept"),
-            ("metrics", "GET", "/metrics"),
             ("healthz", "GET", "/api/healthz"),
         ]:
             body = {"entrypoint": "true", "submission_id": "refused"} if what == "submit" else None
@@ -132,6 +131,10 @@ def test_a_database_outage_answers_503_and_the_server_recovers_on_its_own(
             except (AssertionError, KeyError, ValueError):
                 not_refused[what] = (response.status_code, response.text)
         assert not_refused == {}
+        # A scrape answers, saying the database is away (tests/test_replica_health.py).
+        metrics = requests.get(f"{url}/metrics", timeout=REQUEST_TIMEOUT_S)
+        assert metrics.status_code == 200, metrics.text
+        assert "jobs_server_database_connected 0.0" in metrics.text.splitlines()
         # The job's end came while the database was away (its supervisor wrote it in the KV).
         time.sleep(max(0.0, 4.0 - (time.monotonic() - outage_started)))
         assert process.poll() is None, log_path.read_text()

@@ -15,6 +15,7 @@ from jobs_server.manager.cluster.ray_cluster import ClusterInfo
 from jobs_server.manager.job_manager import JobPage
 from jobs_server.manager.logs import LogChunk
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.supervisor.drivers import RayDriver
 from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import DEFAULT_TENANT
@@ -29,6 +30,10 @@ class JobManagerApi(Protocol):
 
     async def check_database(self) -> None:
         """DatabaseUnavailableError unless the archive's database answers a trivial read now."""
+        ...
+
+    async def replica_state(self) -> ReplicaState:
+        """This replica: its id, database (and whether it answers now), live jobs and leases."""
         ...
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:

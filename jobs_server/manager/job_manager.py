@@ -15,6 +15,7 @@ from ray import cloudpickle
 import jobs_server
 from jobs_server.disk_guard import storage_errors_refused
 from jobs_server.errors import (
+    DatabaseUnavailableError,
     InvalidRequestError,
     JobNotFoundError,
     JobNotTerminalError,
@@ -23,6 +24,7 @@ from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedR
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
+from jobs_server.manager.archive.leases import ReplicaLeases, new_replica_id
 from jobs_server.manager.archive.outage import probe_database
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
 from jobs_server.manager.archive.sqlite import Archive as SqliteArchive
@@ -49,6 +51,7 @@ from jobs_server.manager.queue.admission import Admission, JobQueue
 from jobs_server.manager.queue.dispatcher import PENDING_MESSAGE, Dispatcher
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
+from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.stopping import JobStopper
 from jobs_server.manager.supervisors import SupervisorOccupancy, Supervisors
@@ -92,8 +95,12 @@ class JobManager:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         jobs_nice: int = 0,
         jobs_user: RunAs | None = None,
+        replica_leases: ReplicaLeases | None = None,
     ) -> None:
         self._log_dir = log_dir
+        # This server's leases on a shared database (None on SQLite): healthz and /metrics.
+        self._replica_leases = replica_leases
+        self._replica_id = new_replica_id() if replica_leases is None else replica_leases.replica_id
         self._log_watchers = LogWatchers()
         self._archive = archive
         # The archive's events, fanned out; the archive's `on_events` must be its `publish`.
@@ -230,6 +237,23 @@ class JobManager:
             # would wait behind a long list.
             return
         await probe_database(self._archive.event_id_range())
+
+    async def replica_state(self) -> ReplicaState:
+        """This replica now: its id and leases, whether its database answers (the probe of
+        `check_database`), and the live jobs it owns (watched or queued here)."""
+        try:
+            await self.check_database()
+        except DatabaseUnavailableError:
+            connected = False
+        else:
+            connected = True
+        return ReplicaState.of(
+            replica_id=self._replica_id,
+            leases=self._replica_leases,
+            database_backend="sqlite" if isinstance(self._archive, SqliteArchive) else "postgresql",
+            database_connected=connected,
+            jobs_owned=len(self._watchers) + self._queue.queued,
+        )
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at

@@ -42,6 +42,7 @@ from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import job_log_path, log_size, read_log_chunks
 from jobs_server.manager.records import now_ms
+from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import DEFAULT_TENANT
@@ -237,6 +238,17 @@ class FakeJobManager:
 
     async def check_database(self) -> None:
         """Its records are in memory: always there."""
+
+    async def replica_state(self) -> ReplicaState:
+        """A replica on the default store (its records in memory: always there), no leases;
+        it owns its jobs that have not ended."""
+        return ReplicaState.of(
+            replica_id="fake:1:replica",
+            leases=None,
+            database_backend="sqlite",
+            database_connected=True,
+            jobs_owned=sum(not r.status.is_terminal() for r in self._records.values()),
+        )
 
     async def count_by_tenant(
         self, *, tenant: str | None = None

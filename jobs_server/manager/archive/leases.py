@@ -254,6 +254,10 @@ class ReplicaLeases:
         rows = await self._run(self.store.lease_statements.with_prefix, (prefix, prefix))
         return [_lease(row) for row in rows]
 
+    def held_names(self) -> tuple[str, ...]:
+        """The names of the leases this replica holds now, sorted (healthz says them)."""
+        return tuple(sorted(self._held))
+
     def fence(self, name: str) -> Fence:
         """The fence of a lease this replica holds, for the store's fenced writes
         (`archive.update(record, fence=...)`); LeaseLostError if it holds none."""

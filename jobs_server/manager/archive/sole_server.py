@@ -49,6 +49,12 @@ class SoleServer:
         self._on_lost = on_lost
         self._renewing: asyncio.Task[None] | None = None
 
+    @property
+    def leases(self) -> ReplicaLeases:
+        """This server's leases (the `server` lease, its counters): what healthz and /metrics
+        say of them."""
+        return self._leases
+
     @classmethod
     async def take(cls, store: LeaseStore, on_lost: Callable[[str], None]) -> SoleServer:
         """Hold the database's `server` lease, waiting for a holder's to expire (at most its
