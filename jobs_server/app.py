@@ -211,7 +211,11 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         parse=caching_record_parser(),
     )
     event_feed = EventFeed(archive)
-    await archive.open()
+    try:
+        await archive.open()
+    except BaseException:  # refused (a newer schema) or unreachable: leave Ray before exiting
+        await asyncio.to_thread(disconnect_from_ray, connection)
+        raise
     sole_server: SoleServer | None = None
     if settings.database_url is not None:
 

@@ -14,6 +14,7 @@ import pytest
 from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.interface import JobArchive
+from jobs_server.manager.archive.schema_versions import SchemaTooNewError
 from jobs_server.manager.archive.sqlite import (
     _MIGRATIONS,
     Archive,
@@ -227,7 +228,7 @@ async def test_a_newer_schema_is_refused(tmp_path: Path) -> None:
     db.execute("PRAGMA user_version = 99")
     db.close()
     archive = Archive(path)
-    with pytest.raises(RuntimeError, match="newer"):
+    with pytest.raises(SchemaTooNewError, match="newer"):
         await archive.open()
     await archive.close()
 

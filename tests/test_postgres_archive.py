@@ -22,6 +22,7 @@ from jobs_server.cli import _forget_secrets_in_environment, load_settings
 from jobs_server.manager.archive import postgres as postgres_module
 from jobs_server.manager.archive.postgres import PostgresArchive
 from jobs_server.manager.archive.queries import JobQuery
+from jobs_server.manager.archive.schema_versions import Migration, SchemaTooNewError
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.servers import start_jobs_server, wait_for_server
@@ -108,7 +109,7 @@ async def test_a_newer_schema_is_refused(postgres_url: str) -> None:
         await db.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
         await db.execute("INSERT INTO schema_version VALUES (99)")
     archive = PostgresArchive(postgres_url)
-    with pytest.raises(RuntimeError, match="newer"):
+    with pytest.raises(SchemaTooNewError, match="newer"):
         await archive.open()
     await archive.close()
 
@@ -201,7 +202,10 @@ async def test_a_database_of_an_older_schema_is_migrated_in_place(
     monkeypatch.setattr(
         postgres_module,
         "_MIGRATIONS",
-        (*released, ("ALTER TABLE jobs ADD COLUMN note TEXT",)),
+        (
+            *released,
+            Migration(("ALTER TABLE jobs ADD COLUMN note TEXT",), readable_by_previous=True),
+        ),
     )
     upgraded = PostgresArchive(postgres_url)
     await upgraded.open()

@@ -34,6 +34,11 @@ from jobs_server.manager.archive.new_rows import insert_new_rows
 from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS as STREAM_BATCH_ROWS
 from jobs_server.manager.archive.queries import JobQuery as JobQuery
 from jobs_server.manager.archive.queries import UnknownCursorError as UnknownCursorError
+from jobs_server.manager.archive.schema_versions import (
+    Migration,
+    check_readable,
+    min_reader_version,
+)
 from jobs_server.manager.records import (
     JobRecord,
     JobStatus,
@@ -52,8 +57,10 @@ DEFAULT_MAX_EVENTS = 100_000
 _T = TypeVar("_T")
 
 # Each entry moves the schema one version up (PRAGMA user_version); never edit a released one.
-_MIGRATIONS: tuple[str, ...] = (
-    """
+# Whether the release before reads the schema after it: schema_versions.py.
+_MIGRATIONS: tuple[Migration[str], ...] = (
+    Migration(
+        """
     CREATE TABLE jobs (
         seq INTEGER PRIMARY KEY AUTOINCREMENT,
         submission_id TEXT NOT NULL UNIQUE,
@@ -85,16 +92,22 @@ _MIGRATIONS: tuple[str, ...] = (
         record TEXT
     );
     """,
+        readable_by_previous=False,  # the tables: nothing before reads them
+    ),
     # Tenants: rows from before them are the default tenant's; lists and counts by tenant.
-    """
+    Migration(
+        """
     UPDATE jobs SET tenant = 'default' WHERE tenant IS NULL;
     UPDATE events SET tenant = 'default' WHERE tenant IS NULL;
     CREATE INDEX jobs_tenant_seq ON jobs (tenant, seq);
     CREATE INDEX jobs_tenant_status ON jobs (tenant, status);
     """,
+        readable_by_previous=False,  # a server before tenants writes jobs of no tenant
+    ),
     # The runs deleted (or withdrawn): a KV record that a failed delete left is never imported
     # again (recovery.py). The newest MAX_DELETED_RUNS are kept.
-    """
+    Migration(
+        """
     CREATE TABLE deleted_runs (
         seq INTEGER PRIMARY KEY AUTOINCREMENT,
         submission_id TEXT NOT NULL,
@@ -102,8 +115,11 @@ _MIGRATIONS: tuple[str, ...] = (
     );
     CREATE UNIQUE INDEX deleted_runs_run ON deleted_runs (submission_id, run_id);
     """,
+        readable_by_previous=False,  # a server before it deletes runs it does not remember
+    ),
     # Leases of replicas sharing a history (leases.py); times in unix ms by the database's clock.
-    """
+    Migration(
+        """
     CREATE TABLE leases (
         name TEXT PRIMARY KEY,
         holder TEXT,
@@ -112,9 +128,55 @@ _MIGRATIONS: tuple[str, ...] = (
         previous_holder TEXT
     );
     """,
+        # A new table; on SQLite (one server per state dir) no lease is taken against another.
+        readable_by_previous=True,
+    ),
 )
 # Deleted runs remembered (recovery asks about what the KV still holds at a start).
 MAX_DELETED_RUNS = 100_000
+# The lowest schema version a server must know to use the file (schema_versions.py): one row.
+_MIN_READER_TABLE = "schema_compatibility"
+
+
+def _migrate(db: sqlite3.Connection, path: Path) -> None:
+    """Move the schema up to this server's version, with the lowest version a server must know
+    to use it, in one transaction; a newer schema is used as it is if this server can read it,
+    else refused (SchemaTooNewError) before anything is written."""
+    known = len(_MIGRATIONS)
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    recorded = _recorded_min_reader_version(db)
+    check_readable(str(path), version, recorded, known)
+    needed = min_reader_version(_MIGRATIONS, known)
+    if version > known or (version == known and recorded == needed):
+        return  # nothing to write: a newer schema stays as its release left it
+    steps = "".join(
+        f"{migration.change}; PRAGMA user_version = {number};"
+        for number, migration in enumerate(_MIGRATIONS[version:], start=version + 1)
+    )
+    db.executescript(
+        f"BEGIN; {steps} CREATE TABLE IF NOT EXISTS {_MIN_READER_TABLE}"
+        f" (min_reader_version INTEGER NOT NULL); DELETE FROM {_MIN_READER_TABLE};"
+        f" INSERT INTO {_MIN_READER_TABLE} (min_reader_version) VALUES ({needed}); COMMIT;"
+    )
+    if version < known:
+        logger.info(
+            "archive %s migrated from schema version %d to %d (servers that know versions"
+            " below %d can no longer use it)",
+            path,
+            version,
+            known,
+            needed,
+        )
+
+
+def _recorded_min_reader_version(db: sqlite3.Connection) -> int | None:
+    """None: a file of a release before the record (or a new one)."""
+    if not db.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (_MIN_READER_TABLE,)
+    ).fetchone():
+        return None
+    row = db.execute(f"SELECT min_reader_version FROM {_MIN_READER_TABLE}").fetchone()
+    return None if row is None else int(row[0])
 
 
 class Archive:
@@ -165,16 +227,11 @@ class Archive:
         db.execute("PRAGMA synchronous=FULL")
         db.execute("PRAGMA foreign_keys=ON")
         db.execute("PRAGMA busy_timeout=5000")
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > len(_MIGRATIONS):
+        try:
+            _migrate(db, self.path)
+        except BaseException:
             db.close()
-            raise RuntimeError(
-                f"{self.path} has schema version {version}, newer than this server knows "
-                f"({len(_MIGRATIONS)}): a newer jobs-server wrote it."
-            )
-        for number, script in enumerate(_MIGRATIONS[version:], start=version + 1):
-            db.executescript(f"BEGIN; {script}; PRAGMA user_version = {number}; COMMIT;")
-            logger.info("archive %s migrated to schema version %d", self.path, number)
+            raise
         self._db = db
 
     def _open_reader(self) -> None:
