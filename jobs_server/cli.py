@@ -153,7 +153,7 @@ def serve(flags: dict[str, Any]) -> None:
     from jobs_server.access.auth import TokenSourceError, resolve_auth_token
     from jobs_server.access.tokens import TokensFileError, load_tokens_file
     from jobs_server.app import create_app, exit_without_ray, left_the_cluster_gone
-    from jobs_server.manager.archive.schema_versions import SchemaTooNewError
+    from jobs_server.manager.archive.schema_versions import SchemaUpgradeError
     from jobs_server.manager.archive.sole_server import DatabaseInUseError
     from jobs_server.manager.tenancy import RunAs
     from jobs_server.serving.request_body import describe_validation_error
@@ -214,7 +214,7 @@ def serve(flags: dict[str, Any]) -> None:
             shutdown_timeout=settings.shutdown_timeout_s,
             access_log_format='%a "%r" %s %b %Tfs',
         )
-    except (DatabaseInUseError, SchemaTooNewError) as error:
+    except (DatabaseInUseError, SchemaUpgradeError) as error:
         sys.exit(f"jobs-server: {error}")
     except Exception:
         if not left_the_cluster_gone(app):

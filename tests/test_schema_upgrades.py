@@ -27,9 +27,12 @@ import requests
 from jobs_server.manager.archive import postgres as postgres_module
 from jobs_server.manager.archive import sqlite as sqlite_module
 from jobs_server.manager.archive.interface import JobArchive, create_archive
+from jobs_server.manager.archive.leases import ReplicaLeases
+from jobs_server.manager.archive.postgres import PostgresArchive
 from jobs_server.manager.archive.queries import JobQuery
 from jobs_server.manager.archive.schema_versions import (
     Migration,
+    OlderServersRunningError,
     SchemaTooNewError,
     min_reader_version,
 )
@@ -294,3 +297,71 @@ def test_a_server_that_can_read_a_newer_schema_serves(
     assert f"up to {known}" in said[0], log
     assert "Traceback" not in log, log
     assert store.schema() == (newer, known)
+
+
+@pytest.mark.postgres
+async def test_a_migration_the_running_servers_cannot_read_waits_until_they_stopped(
+    tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Release N runs (it holds its `server` lease); N+1, whose migration N cannot read,
+    starts: it refuses to migrate, naming N, and changes nothing. Once N stopped, N+1 migrates,
+    and N, started again, refuses the schema."""
+    store = Store("postgres", tmp_path / "state", postgres_url)
+    await with_history(store)
+    running = PostgresArchive(postgres_url)
+    await running.open()
+    leases = ReplicaLeases(running)
+    assert await leases.acquire("server", ttl_s=600) is not None
+    released = postgres_module._MIGRATIONS
+    newer = len(released) + 1
+    monkeypatch.setattr(
+        postgres_module,
+        "_MIGRATIONS",
+        (*released, Migration((BREAKING_CHANGE,), readable_by_previous=False)),
+    )
+    before = store.snapshot()
+    try:
+        upgraded = PostgresArchive(postgres_url)
+        with pytest.raises(OlderServersRunningError, match=leases.replica_id):
+            await upgraded.open()
+        await upgraded.close()
+        assert store.snapshot() == before
+    finally:
+        await leases.release("server")
+        await running.close()
+
+    upgraded = PostgresArchive(postgres_url)
+    await upgraded.open()
+    await upgraded.close()
+    assert store.schema() == (newer, newer)
+    monkeypatch.setattr(postgres_module, "_MIGRATIONS", released)
+    with pytest.raises(SchemaTooNewError, match=f"schema version {newer},"):
+        await PostgresArchive(postgres_url).open()
+
+
+@pytest.mark.postgres
+async def test_a_migration_the_running_servers_can_read_goes_ahead_under_them(
+    tmp_path: Path, postgres_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store("postgres", tmp_path / "state", postgres_url)
+    await with_history(store)
+    running = PostgresArchive(postgres_url)
+    await running.open()
+    leases = ReplicaLeases(running)
+    try:
+        assert await leases.acquire("server", ttl_s=600) is not None
+        released = postgres_module._MIGRATIONS
+        monkeypatch.setattr(
+            postgres_module,
+            "_MIGRATIONS",
+            (*released, Migration((ADDITIVE_CHANGE,), readable_by_previous=True)),
+        )
+        upgraded = PostgresArchive(postgres_url)
+        await upgraded.open()
+        await upgraded.close()
+        assert store.schema() == (len(released) + 1, min_reader_version(released, len(released)))
+        await running.insert(record("after"))  # the running server goes on
+        assert await running.get("after") is not None
+    finally:
+        await leases.release("server")
+        await running.close()

@@ -39,7 +39,13 @@ from jobs_server.errors import DuplicateJobError
 from jobs_server.manager.archive import queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.group_commit import NewRow, answer_batch, new_rows_together
-from jobs_server.manager.archive.leases import POSTGRES_STATEMENTS, Fence, require_fence
+from jobs_server.manager.archive.leases import (
+    LEASE_TTL_S,
+    POSTGRES_NOW_MS,
+    POSTGRES_STATEMENTS,
+    Fence,
+    require_fence,
+)
 from jobs_server.manager.archive.new_rows import (
     EVENT_COLUMNS,
     JOB_COLUMNS,
@@ -52,6 +58,7 @@ from jobs_server.manager.archive.pg_events import EventRelay, announce_events
 from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS, JobQuery
 from jobs_server.manager.archive.schema_versions import (
     Migration,
+    OlderServersRunningError,
     check_readable,
     min_reader_version,
 )
@@ -584,7 +591,8 @@ def _pg(select: tuple[str, list[Any]]) -> tuple[str, list[Any]]:
 async def _migrate(db: Connection) -> None:
     """Move the schema up to this server's version, with the lowest version a server must know
     to use it, in one transaction; a newer schema is used as it is if this server can read it,
-    else refused (SchemaTooNewError) and the transaction rolled back."""
+    else refused (SchemaTooNewError) and the transaction rolled back. A migration the release
+    before cannot read is refused (OlderServersRunningError) while a server holds a lease."""
     known = len(_MIGRATIONS)
     async with db.transaction():
         await db.execute(LOCK, (MIGRATIONS_LOCK_KEY,))
@@ -602,6 +610,16 @@ async def _migrate(db: Connection) -> None:
         needed = min_reader_version(_MIGRATIONS, known)
         if version > known or (version == known and recorded == needed):
             return  # nothing to write: a newer schema stays as its release left it
+        if needed > version:  # a migration to run that the release before cannot read
+            holders = await _live_lease_holders(db)
+            if holders:
+                raise OlderServersRunningError(
+                    f"the database has schema version {version}, which this server would"
+                    f" migrate to {known}, and servers that know versions below {needed} cannot"
+                    f" use that; servers still run on it ({', '.join(holders)}): stop them, then"
+                    " start this server (a server killed without stopping holds its lease for"
+                    f" {LEASE_TTL_S:g} s more)"
+                )
         for migration in _MIGRATIONS[version:]:
             for statement in migration.change:
                 await db.execute(statement)
@@ -616,6 +634,20 @@ async def _migrate(db: Connection) -> None:
                 known,
                 needed,
             )
+
+
+async def _live_lease_holders(db: Connection) -> list[str]:
+    """The servers that hold a lease on the database now, by its clock (none before the leases
+    table: its releases took none)."""
+    cursor = await db.execute("SELECT to_regclass('leases') IS NOT NULL")
+    row = await cursor.fetchone()
+    if row is None or not row[0]:
+        return []
+    cursor = await db.execute(
+        "SELECT DISTINCT holder FROM leases"
+        f" WHERE holder IS NOT NULL AND expires_at_ms > {POSTGRES_NOW_MS} ORDER BY holder"
+    )
+    return [str(holder) for (holder,) in await cursor.fetchall()]
 
 
 async def _insert_new_rows(db: Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:

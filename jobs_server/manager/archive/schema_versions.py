@@ -9,6 +9,10 @@ version, the lowest version a server must know to use it: the last migration app
 release before could not read. A server that knows less refuses to start, naming both versions;
 one that knows less than the database's version but at least that minimum runs on as it is.
 
+A server running when such a migration would land is not told, so a server does not apply one
+while another holds a live lease on the database (PostgreSQL; SQLite has one server per file):
+it refuses to start until the older servers are stopped.
+
 Both stores record it in the same way: SQLite in the `schema_compatibility` table (its version
 is `PRAGMA user_version`), PostgreSQL in the `min_reader_version` column of `schema_version`.
 Once released, neither place may change: older servers read it there.
@@ -38,8 +42,18 @@ class Migration(Generic[_Change]):
     readable_by_previous: bool
 
 
-class SchemaTooNewError(Exception):
+class SchemaUpgradeError(Exception):
+    """This server must not start on the database's schema now (the message says why and what
+    to do)."""
+
+
+class SchemaTooNewError(SchemaUpgradeError):
     """A newer release migrated the database to a schema this server cannot read."""
+
+
+class OlderServersRunningError(SchemaUpgradeError):
+    """This server would apply a migration that the servers running on the database cannot
+    read."""
 
 
 def min_reader_version(migrations: Sequence[Migration[Any]], version: int) -> int:
