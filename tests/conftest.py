@@ -8,8 +8,10 @@ import shutil
 import subprocess
 import tempfile
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import psutil
@@ -78,17 +80,32 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ray)
         if "browser" in item.fixturenames and item.get_closest_marker("browser") is None:
             item.add_marker(pytest.mark.browser)
-    # Under pytest-xdist (scripts/check) each module runs whole on one worker: the modules that
-    # take longest go first, so that none of them is still running alone at the end. A module
-    # moves as one, so its module-scoped fixtures are still set up once.
-    slow_modules = {item.module for item in items if _is_slow(item)}
-    items.sort(key=lambda item: item.module not in slow_modules)
+    # Under pytest-xdist (scripts/check) each module runs whole on one worker, and the workers
+    # take modules in this order (scripts/check passes --no-loadscope-reorder: by default xdist
+    # would order them by their number of tests, which puts the few long tests that start a Ray
+    # of their own last, each then running alone on one worker at the end). Longest first, by an
+    # estimate: a module moves as one, so its module-scoped fixtures are still set up once.
+    weights: dict[Any, float] = defaultdict(float)
+    for item in items:
+        weights[item.module] += _estimated_weight(item)
+    items.sort(key=lambda item: -weights[item.module])
 
 
-def _is_slow(item: pytest.Item) -> bool:
-    return "ray_tmpdir" in item.fixturenames or any(
-        item.get_closest_marker(mark) for mark in ("slow", "multinode", "gcs")
-    )
+# Seconds, about: a test that starts a Ray of its own (or kills and restarts one) takes about
+# 30 s; one in a module marked slow or browser a few; any other a fraction of one.
+OWN_RAY_WEIGHT = 30.0
+SLOW_WEIGHT = 3.0
+PLAIN_WEIGHT = 0.25
+
+
+def _estimated_weight(item: pytest.Item) -> float:
+    if "ray_tmpdir" in item.fixturenames or any(
+        item.get_closest_marker(mark) for mark in ("multinode", "gcs")
+    ):
+        return OWN_RAY_WEIGHT
+    if any(item.get_closest_marker(mark) for mark in ("slow", "browser")):
+        return SLOW_WEIGHT
+    return PLAIN_WEIGHT
 
 
 @pytest.fixture

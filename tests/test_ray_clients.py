@@ -14,6 +14,9 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from tests.support.processes import wait_until
 from tests.support.ray_nodes import RAY_CLI
 
+# Runs Ray's own CLI and SDK as processes of their own, each a few seconds.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture
 def ray_client(server_url: str) -> JobSubmissionClient:

@@ -31,6 +31,9 @@ from tests.support.processes import free_port, stop_process_group
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
 
+# Runs every `sh` block of the docs: servers of their own and package installs.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 # Every document whose shell examples run: the README, then the docs.

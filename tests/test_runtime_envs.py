@@ -30,6 +30,9 @@ from tests.support.api import Client, job_logs, submit, wait_for_status
 from tests.support.processes import free_port, wait_until
 from tests.support.ray_nodes import S3_CREDENTIALS
 
+# Installs packages (pip, virtualenvs) and serves archives: one of the long modules.
+pytestmark = pytest.mark.slow
+
 RAY_CLI = str(Path(sys.executable).parent / "ray")
 # Ray's agent retries a failed setup 3 times a second apart (the suite's cluster: once, conftest);
 # the issue allows a minute.
