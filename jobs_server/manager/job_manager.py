@@ -25,12 +25,17 @@ from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.archive.leases import ReplicaLeases, new_replica_id
-from jobs_server.manager.archive.outage import probe_database
+from jobs_server.manager.archive.outage import first_line, probe_database
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
 from jobs_server.manager.archive.sqlite import Archive as SqliteArchive
 from jobs_server.manager.archive.sqlite import JobQuery, UnknownCursorError
 from jobs_server.manager.cluster.leaving import ClusterAtShutdown
 from jobs_server.manager.cluster.resources import ClusterResources
+from jobs_server.manager.in_doubt_submits import (
+    SUBMIT_IN_DOUBT_MESSAGE,
+    InDoubtSubmits,
+    insert_may_have_committed,
+)
 from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.live.deferred_ends import DeferredEnds
@@ -157,6 +162,8 @@ class JobManager:
             watchers=self._watchers,
             supervisors=self._supervisors,
         )
+        # Submits whose insert may have committed though the database's answer was lost.
+        self._in_doubt = InDoubtSubmits(archive=archive, on_recorded=self._queue_recorded)
         self._views = JobViews(
             archive=archive,
             store=self._store,
@@ -220,6 +227,7 @@ class JobManager:
         what the shutdown found of the cluster so far (a gone one is not asked again)."""
         if self._retention is not None:
             await self._retention.close()
+        await self._in_doubt.close()
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stopper.stop_all_jobs(
@@ -281,10 +289,17 @@ class JobManager:
         try:
             with storage_errors_refused("a submit"):
                 await self._archive.insert(record)
-        except BaseException:
+        except BaseException as error:
             self._queue.cancel(record, admission)
             self._dispatcher.fill()
-            raise
+            if not insert_may_have_committed(error):
+                raise
+            # The row may be in the database all the same: read back once it answers.
+            logger.warning(
+                "submit of job %s is in doubt: %s", record.submission_id, first_line(error)
+            )
+            self._in_doubt.add(record)
+            raise DatabaseUnavailableError(SUBMIT_IN_DOUBT_MESSAGE) from error
         if admission is Admission.QUEUE:
             self._queue.enqueue(record)
             self._dispatcher.fill()
@@ -293,6 +308,12 @@ class JobManager:
         # withdraws it and is the answer.
         await self._dispatcher.hand_over_now(record)
         return record
+
+    def _queue_recorded(self, record: JobRecord) -> None:
+        """A submit in doubt was recorded after all: queued, as recovery queues a job never
+        handed over (its slot comes from the queue, within its caps)."""
+        self._queue.requeue(record)
+        self._dispatcher.fill()
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
         record = await self._views.record(submission_id, tenant)
