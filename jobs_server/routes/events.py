@@ -63,7 +63,11 @@ async def stream_events(request: web.Request) -> web.StreamResponse:
         statuses=query.statuses(),
         tenant=request[PRINCIPAL_KEY].tenant_scope,
     )
-    items = await request.app[JOB_MANAGER_KEY].subscribe_events(
+    manager = request.app[JOB_MANAGER_KEY]
+    # Before the stream is prepared: a database that does not answer is a 503 the client can
+    # act on, not a stream that ends before its first event.
+    await manager.check_database()
+    items = await manager.subscribe_events(
         after=after, event_filter=event_filter, idle_tick_s=CLIENT_CHECK_S
     )
     if query.format == "ndjson":

@@ -1,5 +1,8 @@
-"""When the archive's database does not answer (PostgreSQL down, restarting, unreachable): which
-errors say so, and the probe `/api/healthz` makes.
+"""When the archive's database does not answer (PostgreSQL down, restarting, unreachable, or
+hung: it accepts connections and never answers): which errors say so, and the probe
+`/api/healthz` makes. A hung database fails no call by itself: the PostgreSQL store bounds each
+of its calls (postgres.py, DATABASE_TIMEOUT_S) and raises DatabaseTimeoutError, an
+OperationalError, so that it is an outage here as a refused connection is.
 
 psycopg is imported by a server on PostgreSQL only, so its errors are recognised through the
 module already loaded: a server on SQLite never loads it here, and none of its errors is one of
@@ -31,8 +34,8 @@ UNAVAILABLE_MESSAGE = (
 def is_database_unavailable(error: BaseException) -> bool:
     """Whether `error`, or what it was raised from or while handling, says that the database
     cannot be reached or does not answer now: psycopg's OperationalError (connection refused or
-    lost, the server shutting down or starting up, the pool's wait for a connection over), other
-    than a full disk."""
+    lost, the server shutting down or starting up, the pool's wait for a connection over, a call
+    over its bound), other than a full disk."""
     psycopg = sys.modules.get("psycopg")
     if psycopg is None or is_disk_full(error):
         return False

@@ -29,10 +29,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import AsyncConnection
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from jobs_server.errors import DuplicateJobError
@@ -73,6 +74,7 @@ from jobs_server.manager.records import (
 
 logger = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 Connection = AsyncConnection[tuple[Any, ...]]
 # A write: (its result, the events it recorded), run in the batch's transaction.
 Write = Callable[[Connection], Awaitable[tuple[Any, list[JobEvent]]]]
@@ -94,6 +96,30 @@ CONNECT_TIMEOUT_S = 30.0
 # finds the database back.
 POOL_WAIT_S = 3.0
 RECONNECT_GIVE_UP_S = 10.0
+# A database that accepts connections and never answers (frozen, a lock held forever, a disk
+# stall, a partition that drops packets) fails no call by itself: every call of the archive
+# (its wait for a connection included) is answered within this bound, with DatabaseTimeoutError
+# (an outage: 503 database_unavailable). Generous for a live database under load: its
+# statements take milliseconds, a batch of 1,000 new jobs tens of them, the longest page of a
+# list 100,000 jobs deep under 10 ms (benchmarks/results-history.md).
+DATABASE_TIMEOUT_S = 5.0
+# The database's own bounds, so that it gives up what its client gave up: a statement (each of
+# a call's), and a transaction left open by a client that went away (a batch runs its writes
+# back to back: seconds idle in one are a client that is gone).
+STATEMENT_TIMEOUT_MS = int(DATABASE_TIMEOUT_S * 1000)
+IDLE_IN_TRANSACTION_TIMEOUT_MS = int(4 * DATABASE_TIMEOUT_S * 1000)
+# The connection's, so that a peer that vanished (a partition: no reset ever comes) is noticed
+# by the kernel: a connection attempt's bound (libpq: whole seconds), TCP keepalives on an idle
+# connection (probes after 10 s idle, every 3 s, 3 lost: gone), and unacknowledged data
+# (tcp_user_timeout, ms). A frozen database's kernel still acknowledges: DATABASE_TIMEOUT_S.
+CONNECTION_OPTIONS: dict[str, str] = {
+    "connect_timeout": "5",
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "3",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "15000",
+}
 
 # Each entry moves the schema one version up (the `schema_version` table); never edit a
 # released one. Version 1 is the SQLite store's schema after its third migration. Whether the
@@ -175,6 +201,28 @@ _NEWEST_EVENT_ID = "SELECT MAX(id) FROM events"
 _TRIM_EVENTS_UP_TO = "DELETE FROM events WHERE id <= %s"
 
 
+class DatabaseTimeoutError(psycopg.OperationalError):
+    """The database did not answer a call of the archive within DATABASE_TIMEOUT_S: an outage
+    as a refused connection is (outage.py), answered 503 database_unavailable."""
+
+
+def connection_options(url: str) -> dict[str, Any]:
+    """The pool's connection options: autocommit, CONNECTION_OPTIONS the URL does not set,
+    and the database's bounds as startup options (no round trip), before the URL's own
+    `options`, which win."""
+    given = conninfo_to_dict(url)
+    bounds = (
+        f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
+        f" -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+    )
+    own_options = given.get("options")
+    return {
+        "autocommit": True,
+        **{key: value for key, value in CONNECTION_OPTIONS.items() if key not in given},
+        "options": bounds if not own_options else f"{bounds} {own_options}",
+    }
+
+
 def pyformat(sql: str) -> str:
     """A statement of queries.py (`?` parameters) as psycopg takes it (`%s`)."""
     return sql.replace("?", "%s")
@@ -210,6 +258,10 @@ class PostgresArchive:
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._pending: list[_Pending] = []
         self._committing: asyncio.Task[None] | None = None
+        # Calls whose caller was answered without them (DATABASE_TIMEOUT_S): cancelled, they
+        # end when psycopg gives their connection up (it asks the server to cancel, then
+        # closes it: a connection left mid-transaction never goes back to the pool).
+        self._abandoned: set[asyncio.Task[Any]] = set()
         # Other replicas' events, and this one's, to `on_events` in id order (pg_events.py).
         self._relay: EventRelay | None = None
 
@@ -220,7 +272,7 @@ class PostgresArchive:
             self._url,
             min_size=POOL_MIN_CONNECTIONS,
             max_size=POOL_MAX_CONNECTIONS,
-            kwargs={"autocommit": True},
+            kwargs=connection_options(self._url),
             open=False,
             name="archive",
             timeout=POOL_WAIT_S,
@@ -249,9 +301,44 @@ class PostgresArchive:
         if self._relay is not None:
             await self._relay.stop()
             self._relay = None
+        if self._abandoned:
+            await asyncio.gather(*self._abandoned, return_exceptions=True)
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
+
+    async def _bounded(self, call: Awaitable[_T]) -> _T:
+        """The outcome of `call` (a call of the archive: its wait for a connection, its
+        statements), or DatabaseTimeoutError once it has taken DATABASE_TIMEOUT_S. Its caller is
+        answered at once then, or when cancelled: the call, cancelled, is left to end on its own
+        (a cancelled psycopg query waits for the server's answer to the cancel request)."""
+        task = asyncio.ensure_future(call)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=DATABASE_TIMEOUT_S)
+        except asyncio.CancelledError:
+            self._abandon(task)
+            raise
+        if not done:
+            self._abandon(task)
+            logger.warning("the database did not answer within %g s", DATABASE_TIMEOUT_S)
+            raise DatabaseTimeoutError(
+                f"the database did not answer within {DATABASE_TIMEOUT_S:g} s"
+            )
+        return task.result()
+
+    def _abandon(self, task: asyncio.Task[Any]) -> None:
+        if task.done():
+            if not task.cancelled():
+                task.exception()  # retrieved: its caller went away
+            return
+        task.cancel()
+        self._abandoned.add(task)
+        task.add_done_callback(self._abandoned_ended)
+
+    def _abandoned_ended(self, task: asyncio.Task[Any]) -> None:
+        self._abandoned.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.debug("an abandoned call of the archive ended: %r", task.exception())
 
     def _connection(self) -> AbstractAsyncContextManager[Connection]:
         """A connection of the pool, for an `async with`."""
@@ -288,8 +375,11 @@ class PostgresArchive:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
-                    outcomes: list[tuple[bool, Any]] | BaseException = await self._commit(
-                        [item.write for item in batch]
+                    # Bounded: a batch that timed out answers each of its callers (503); its
+                    # transaction, abandoned, is rolled back unless its COMMIT had reached the
+                    # database (a retried submit then meets its own job).
+                    outcomes: list[tuple[bool, Any]] | BaseException = await self._bounded(
+                        self._commit([item.write for item in batch])
                     )
                 except asyncio.CancelledError:
                     # The loop is going away: no caller waits for an answer that cannot come.
@@ -299,6 +389,10 @@ class PostgresArchive:
                     raise
                 except Exception as error:  # the whole transaction failed: each caller's
                     outcomes = error
+                if isinstance(outcomes, DatabaseTimeoutError):
+                    # The writes queued behind it would wait as long again for a connection
+                    # to a database that does not answer: answered now (none of them ran).
+                    batch, self._pending = [*batch, *self._pending], []
                 answer_batch([item.answer for item in batch], outcomes)
         finally:
             self._committing = None
@@ -344,12 +438,16 @@ class PostgresArchive:
 
     async def insert_many(self, records: list[JobRecord]) -> None:
         """Record many new jobs in one transaction; all or none (DuplicateJobError)."""
-        async with self._connection() as db, db.transaction():
-            await db.execute(LOCK, (EVENTS_LOCK_KEY,))
-            events = [event for record in records for event in await self._insert_row(db, record)]
-            await self._trim_events(db)
-            await announce_events(db, events)
-        self._notify(events)
+
+        async def insert_many() -> list[JobEvent]:
+            async with self._connection() as db, db.transaction():
+                await db.execute(LOCK, (EVENTS_LOCK_KEY,))
+                events = [e for record in records for e in await self._insert_row(db, record)]
+                await self._trim_events(db)
+                await announce_events(db, events)
+            return events
+
+        self._notify(await self._bounded(insert_many()))
 
     async def _add_new_rows(
         self, db: Connection, records: list[JobRecord]
@@ -462,8 +560,11 @@ class PostgresArchive:
     # -- reads ------------------------------------------------------------------------------
 
     async def _rows(self, sql: str, parameters: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return await self._bounded(self._read(pyformat(sql), parameters))
+
+    async def _read(self, sql: str, parameters: Sequence[Any]) -> list[tuple[Any, ...]]:
         async with self._connection() as db:
-            cursor = await db.execute(pyformat(sql), parameters)
+            cursor = await db.execute(sql, parameters)
             return await cursor.fetchall()
 
     async def _row(self, sql: str, parameters: Sequence[Any] = ()) -> tuple[Any, ...] | None:
@@ -488,15 +589,19 @@ class PostgresArchive:
     ) -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
         """`count_by_tenant`, and the unfinished records of the jobs `ids` (of `tenant` only,
         if given), from one snapshot."""
-        async with self._connection() as db, db.transaction():
-            await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
-            cursor = await db.execute(*_pg(queries.count_by_tenant_select(tenant)))
-            counts = queries.tenant_counts(await cursor.fetchall())
-            records = []
-            for select in queries.unfinished_of_selects(tenant, ids):
-                cursor = await db.execute(*_pg(select))
-                records += [self.parse_record(text) for (text,) in await cursor.fetchall()]
-        return counts, records
+
+        async def read() -> tuple[dict[str, dict[JobStatus, int]], list[JobRecord]]:
+            async with self._connection() as db, db.transaction():
+                await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
+                cursor = await db.execute(*_pg(queries.count_by_tenant_select(tenant)))
+                counts = queries.tenant_counts(await cursor.fetchall())
+                records = []
+                for select in queries.unfinished_of_selects(tenant, ids):
+                    cursor = await db.execute(*_pg(select))
+                    records += [self.parse_record(text) for (text,) in await cursor.fetchall()]
+            return counts, records
+
+        return await self._bounded(read())
 
     async def was_deleted(self, submission_id: str, run_id: str) -> bool:
         """Whether the run was deleted here (or its submit withdrawn)."""
@@ -513,15 +618,18 @@ class PostgresArchive:
         """Up to `limit` jobs matching `query` after the job `after` (UnknownCursorError if
         it is not here), and whether more follow."""
         read_limit = None if limit is None else limit + 1
-        if after is None:
-            async with self._connection() as db:
-                rows = await _job_rows(db, query, None, read_limit)
-        else:
+
+        async def read() -> list[tuple[int, str]]:
+            if after is None:
+                async with self._connection() as db:
+                    return await _job_rows(db, query, None, read_limit)
             async with self._connection() as db, db.transaction():
                 # One snapshot for the cursor and the page, as SQLite's reader has.
                 await db.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
                 after_seq = await _seq_of(db, after, query.tenant)
-                rows = await _job_rows(db, query, after_seq, read_limit)
+                return await _job_rows(db, query, after_seq, read_limit)
+
+        rows = await self._bounded(read())
         records, more, _ = queries.window_of_rows(rows, limit, self.parse_record)
         return records, more
 
@@ -529,14 +637,23 @@ class PostgresArchive:
         self, query: JobQuery, *, after_seq: int | None, limit: int
     ) -> tuple[list[JobRecord], bool, int | None]:
         """`page` from a position: the jobs, whether more follow, the last one's position."""
-        async with self._connection() as db:
-            rows = await _job_rows(db, query, after_seq, limit + 1)
+        rows = await self._bounded(self._job_rows(query, after_seq, limit + 1))
         return queries.window_of_rows(rows, limit, self.parse_record)
+
+    async def _job_rows(
+        self, query: JobQuery, after_seq: int | None, limit: int | None
+    ) -> list[tuple[int, str]]:
+        async with self._connection() as db:
+            return await _job_rows(db, query, after_seq, limit)
 
     async def seq_of(self, after: str, tenant: str | None) -> int:
         """The position of the job `after` (UnknownCursorError if it is not here)."""
-        async with self._connection() as db:
-            return await _seq_of(db, after, tenant)
+
+        async def read() -> int:
+            async with self._connection() as db:
+                return await _seq_of(db, after, tenant)
+
+        return await self._bounded(read())
 
     async def stream(
         self, query: JobQuery, *, after: str | None = None
@@ -545,8 +662,7 @@ class PostgresArchive:
         (keyset pagination: no connection is held between batches)."""
         after_seq = None if after is None else await self.seq_of(after, query.tenant)
         while True:
-            async with self._connection() as db:
-                rows = await _job_rows(db, query, after_seq, STREAM_BATCH_ROWS)
+            rows = await self._bounded(self._job_rows(query, after_seq, STREAM_BATCH_ROWS))
             if not rows:
                 return
             after_seq = rows[-1][0]
@@ -595,6 +711,8 @@ async def _migrate(db: Connection) -> None:
     before cannot read is refused (OlderServersRunningError) while a server holds a lease."""
     known = len(_MIGRATIONS)
     async with db.transaction():
+        # Unbounded (not a call of a serving server): a migration may rebuild an index.
+        await db.execute("SET LOCAL statement_timeout = 0")
         await db.execute(LOCK, (MIGRATIONS_LOCK_KEY,))
         # Both no-ops on a database that has them (a release before the column lacks it).
         await db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
