@@ -24,6 +24,7 @@ JobsServerError
 ├── InsufficientStorageError   the state directory's disk is (nearly) full (507)
 ├── UnsupportedMediaTypeError  a body that is not JSON
 ├── DatabaseUnavailableError   the archive's database (PostgreSQL) does not answer now (503)
+├── LogUnavailableError        the job's log is in a log directory this server does not see (503)
 └── ClusterUnavailableError    Ray could not be reached
     └── SupervisorUnreachableError  a job's supervisor cannot be reached (its node may be failing)
 """
@@ -182,6 +183,21 @@ class DatabaseUnavailableError(JobsServerError):
 
     code = "database_unavailable"
     headers: ClassVar[dict[str, str]] = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+
+
+class LogUnavailableError(JobsServerError):
+    """The job's log was written to a log directory this server does not see (a replica on
+    another machine without the shared log volume, a lost disk, another --log-dir): answering
+    an empty log would say the job printed nothing."""
+
+    code = "log_unavailable"
+
+    def __init__(self, submission_id: str) -> None:
+        super().__init__(
+            f"The log of job {submission_id} is in a log directory this server does not see:"
+            " it was written to another server's --log-dir. Read it from a server on that log"
+            " directory, or give every replica the same shared log volume as its --log-dir."
+        )
 
 
 class ClusterUnavailableError(JobsServerError):

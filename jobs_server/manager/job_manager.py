@@ -47,6 +47,7 @@ from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.log_watch import LogWatchers
 from jobs_server.manager.logs import (
     LogChunk,
+    ensure_log_dir_is,
     job_log_path,
     log_size,
     read_log_chunks,
@@ -103,6 +104,8 @@ class JobManager:
         replica_leases: ReplicaLeases | None = None,
     ) -> None:
         self._log_dir = log_dir
+        # Its id (logs.py `log_dir_id`), learnt at start.
+        self._log_dir_id: str | None = None
         # This server's leases on a shared database (None on SQLite): healthz and /metrics.
         self._replica_leases = replica_leases
         self._replica_id = new_replica_id() if replica_leases is None else replica_leases.replica_id
@@ -197,7 +200,7 @@ class JobManager:
 
     async def start(self) -> None:
         """Warm the shared supervisors, and reconcile the jobs a previous server left."""
-        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self._log_dir_id = await self._launcher.open_log_dir()
         await self._supervisors.start()
         await Recovery(
             store=self._store,
@@ -430,8 +433,9 @@ class JobManager:
         tenant: str | None = None,
     ) -> AsyncGenerator[LogChunk, None]:
         """The job's log from `offset` (see `read_log_chunks`); raises JobNotFoundError now,
-        before any chunk is read (also for a job of another tenant than `tenant`)."""
-        await self._ensure_exists(submission_id, tenant)
+        before any chunk is read (also for a job of another tenant than `tenant`), and
+        LogUnavailableError for a log in a log directory this server does not see."""
+        await self._ensure_log_here(submission_id, tenant)
         return read_log_chunks(
             job_log_path(self._log_dir, submission_id),
             offset=offset,
@@ -445,7 +449,7 @@ class JobManager:
 
     async def log_size(self, submission_id: str, *, tenant: str | None = None) -> int:
         """The job's log size in bytes now."""
-        await self._ensure_exists(submission_id, tenant)
+        await self._ensure_log_here(submission_id, tenant)
         return await asyncio.to_thread(log_size, job_log_path(self._log_dir, submission_id))
 
     async def subscribe_events(
@@ -456,16 +460,30 @@ class JobManager:
             after=after, event_filter=event_filter, idle_tick_s=idle_tick_s
         )
 
-    async def _ensure_exists(self, submission_id: str, tenant: str | None = None) -> None:
-        """Raise JobNotFoundError for an unknown job (or one of another tenant). A job this
-        server watches exists without asking the GCS, so its log is served while the GCS is
-        away; its tenant is in the archive, on this disk."""
+    async def _ensure_log_here(self, submission_id: str, tenant: str | None) -> None:
+        """`_ensure_exists`, and LogUnavailableError if the job's log is written to another log
+        directory than this server's (its record names it; one of an earlier server does not):
+        there, a missing file is not an empty log."""
+        record = await self._ensure_exists(submission_id, tenant)
+        if record is None:  # watched here, but perhaps adopted from a server on another one
+            record = await self._archive.get(submission_id)
+        if record is not None:
+            ensure_log_dir_is(record, self._log_dir_id)
+
+    async def _ensure_exists(
+        self, submission_id: str, tenant: str | None = None
+    ) -> JobRecord | None:
+        """Raise JobNotFoundError for an unknown job (or one of another tenant); its record, if
+        read. A job this server watches exists without asking the GCS, so its log is served
+        while the GCS is away; its tenant is in the archive, on this disk."""
         if tenant is not None:
             archived = await self._archive.get(submission_id)
             if archived is None or not in_scope(archived, tenant):
                 raise JobNotFoundError(submission_id)
-        elif self._watchers.has_ended(submission_id) is None:
-            await self._views.record(submission_id)
+            return archived
+        if self._watchers.has_ended(submission_id) is None:
+            return await self._views.record(submission_id)
+        return None
 
     async def _job_has_ended(self, submission_id: str) -> bool:
         # A watched job has ended when its watcher has: in memory, so a hundred followers cost

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs_server.manager.logs import job_log_path
+from jobs_server.manager.logs import job_log_path, log_dir_id
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.run_batches import RunBatches
@@ -59,6 +59,14 @@ class Launcher:
         self._run_batches = RunBatches()
         self._tenant_limits = tenant_limits
         self._jobs_user = jobs_user
+        # The id of the log directory (`open_log_dir`), recorded with each job handed over.
+        self.log_dir_id: str | None = None
+
+    async def open_log_dir(self) -> str:
+        """Create the log directory if need be, and learn its id (`log_dir_id`)."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir_id = await asyncio.to_thread(log_dir_id, self._log_dir)
+        return self.log_dir_id
 
     async def close(self) -> None:
         """Stop asking the shared supervisors for ends (the jobs run on)."""

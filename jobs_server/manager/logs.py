@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from jobs_server.errors import LogUnavailableError
 from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatchers, Wake
-from jobs_server.manager.records import now_ms
+from jobs_server.manager.records import JobRecord, now_ms
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,43 @@ LOG_TAIL_FOR_MESSAGE_BYTES = 2048
 def job_log_path(log_dir: Path, submission_id: str) -> Path:
     """The log file of a job; the name holds the submission id."""
     return log_dir / f"job-driver-{submission_id}.log"
+
+
+# The marker file that names a log directory: a random id, written once, by the first server
+# that uses the directory. A job's record keeps the id of the directory its log is written to.
+LOG_DIR_ID_FILE = ".log-dir-id"
+
+
+def log_dir_id(log_dir: Path) -> str:
+    """The id of `log_dir` (an existing directory), created on first use.
+
+    Replicas on the head share their log directory and may start together: the marker is
+    written under a name of its own and then linked into place, which fails if another was
+    first, so every server agrees on the one id that got there.
+    """
+    marker = log_dir / LOG_DIR_ID_FILE
+    try:
+        return marker.read_text().strip()
+    except FileNotFoundError:
+        pass
+    candidate = log_dir / f"{LOG_DIR_ID_FILE}.{secrets.token_hex(8)}"
+    candidate.write_text(secrets.token_hex(16) + "\n")
+    try:
+        os.link(candidate, marker)
+    except FileExistsError:
+        pass
+    finally:
+        candidate.unlink()
+    return marker.read_text().strip()
+
+
+def ensure_log_dir_is(record: JobRecord, this_log_dir_id: str | None) -> None:
+    """LogUnavailableError if the job's log is written to another log directory than the one
+    of id `this_log_dir_id`: there, its file is not (or is not this job's), and a missing file
+    would read as an empty log. A record that names no directory (not handed over yet, or
+    written by an earlier server) is read here, as before."""
+    if record.log_dir_id is not None and record.log_dir_id != this_log_dir_id:
+        raise LogUnavailableError(record.submission_id)
 
 
 @dataclass(frozen=True)

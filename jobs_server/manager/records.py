@@ -166,6 +166,10 @@ class JobRecord(BaseModel):
     """When the job was handed to its supervisor (unix ms): its start timeout counts from here,
     not from its submit (`start_time`), so time spent in the queue is not time spent starting.
     None in a record an earlier server wrote: the start timeout counts from `start_time`."""
+    log_dir_id: str | None = None
+    """The id of the log directory the job's log is written to (logs.py `log_dir_id`), set at
+    its hand-over: a server on another log directory answers its log reads 503 rather than an
+    empty log. None before the hand-over, and in a record an earlier server wrote."""
 
     @property
     def submission_id(self) -> str:

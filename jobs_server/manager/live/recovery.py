@@ -287,7 +287,10 @@ class Recovery:
             )
             # Handed over now: its start timeout counts from here.
             record = await self._store.update(
-                record.submission_id, record.run_id, handed_over_time=now_ms()
+                record.submission_id,
+                record.run_id,
+                handed_over_time=now_ms(),
+                log_dir_id=self._launcher.log_dir_id,
             )
             self._watchers.watch(record, await self._launcher.launch(record))
             return

@@ -148,7 +148,10 @@ class Dispatcher:
         if not is_dedicated(name):
             name = self._supervisors.name_for(queued.spec, queued.run_id)
         record = queued.with_changes(
-            message=PENDING_MESSAGE, supervisor_name=name, handed_over_time=now_ms()
+            message=PENDING_MESSAGE,
+            supervisor_name=name,
+            handed_over_time=now_ms(),
+            log_dir_id=self._launcher.log_dir_id,
         )
         try:
             await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
