@@ -9,6 +9,8 @@ log (a client would conclude the job printed nothing) nor follow a file that nev
 from __future__ import annotations
 
 import asyncio
+import base64
+import secrets
 import signal
 import subprocess
 import threading
@@ -20,6 +22,7 @@ import pytest
 import requests
 
 from jobs_server.manager.logs import log_dir_id
+from tests.support.openapi_contract import Contract
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.servers import start_jobs_server, wait_for_server
 
@@ -34,6 +37,16 @@ LOG_READS: list[tuple[str, str, dict[str, str]]] = [
     ("a Range header", "/logs?format=text", {"Range": "bytes=0-4"}),
     ("a follow", "/logs?follow=true", {}),
     ("Server-Sent Events", "/logs/stream", {}),
+    (
+        "a websocket handshake",
+        "/logs/tail",
+        {
+            "Connection": "Upgrade",
+            "Upgrade": "websocket",
+            "Sec-WebSocket-Version": "13",
+            "Sec-WebSocket-Key": base64.b64encode(secrets.token_bytes(16)).decode(),
+        },
+    ),
 ]
 
 
@@ -87,13 +100,22 @@ def _logs(url: str, submission_id: str) -> str:
 
 
 def _unavailable_reads(url: str, submission_id: str) -> dict[str, tuple[int, str]]:
-    """The reads of the job's log that were not a 503 `log_unavailable` naming --log-dir."""
+    """The reads of the job's log that were not a 503 `log_unavailable` naming --log-dir, as
+    openapi.yaml documents it."""
+    contract = Contract.load()
     wrong = {}
     for what, path, headers in LOG_READS:
         response = requests.get(
             f"{url}/api/jobs/{submission_id}{path}", headers=headers, timeout=REQUEST_TIMEOUT_S
         )
         try:
+            contract.check_response(
+                "GET",
+                response.request.path_url.split("?")[0],
+                response.status_code,
+                response.headers,
+                response.content,
+            )
             error = response.json()["error"]
             assert response.status_code == 503
             assert error["code"] == "log_unavailable"

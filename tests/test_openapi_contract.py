@@ -44,7 +44,8 @@ SHARED_SCHEMAS = {"SubmissionId", "JobStatus"}
 NOT_PROVOKED = {
     "500": "needs a broken cluster or a bug",
     "503": "needs a supervisor or a GCS that does not answer: test_stopping_a_job_whose_node"
-    "_does_not... and tests/test_gcs_faults.py",
+    "_does_not... and tests/test_gcs_faults.py; a log in a log directory this server does not"
+    " see (log_unavailable): tests/test_log_volume.py checks it against the document",
     "401": "needs a server with a token: test_token_answers_match_the_document",
     "403": "needs a server with a token: test_token_answers_match_the_document",
     "429": "needs uploads in flight or a full queue: tests/test_upload_budget.py and"
