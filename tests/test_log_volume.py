@@ -12,6 +12,7 @@ import asyncio
 import base64
 import secrets
 import signal
+import stat
 import subprocess
 import threading
 import uuid
@@ -215,3 +216,4 @@ def test_a_log_directory_keeps_one_id_whoever_creates_it_first(tmp_path: Path) -
     other.mkdir()
     assert log_dir_id(other) != ids[0]
     assert sorted(path.name for path in shared.iterdir()) == [".log-dir-id"]
+    assert stat.S_IMODE((shared / ".log-dir-id").stat().st_mode) == 0o600

@@ -108,7 +108,10 @@ def test_the_state_dir_and_its_files_are_private(
         own = run_job(server.url, entrypoint="echo own >&2", entrypoint_num_cpus=0.5)
         assert (shared["status"], own["status"]) == ("SUCCEEDED", "SUCCEEDED"), (shared, own)
         logs = sorted(path.name for path in (state_dir / "logs").iterdir())
-        assert logs == sorted(f"job-driver-{job['submission_id']}.log" for job in (shared, own))
+        # The log directory's id (logs.py `log_dir_id`) beside the logs.
+        assert logs == sorted(
+            [".log-dir-id", *(f"job-driver-{job['submission_id']}.log" for job in (shared, own))]
+        )
         assert (state_dir / "jobs.db").exists()
         assert not_private(state_dir) == []
     finally:

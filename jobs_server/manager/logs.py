@@ -53,7 +53,10 @@ def log_dir_id(log_dir: Path) -> str:
     except FileNotFoundError:
         pass
     candidate = log_dir / f"{LOG_DIR_ID_FILE}.{secrets.token_hex(8)}"
-    candidate.write_text(secrets.token_hex(16) + "\n")
+    # 0600, as every file of the server's directories (state_dir.py).
+    fd = os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as marker_file:
+        marker_file.write(secrets.token_hex(16) + "\n")
     try:
         os.link(candidate, marker)
     except FileExistsError:
