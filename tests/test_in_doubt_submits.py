@@ -39,12 +39,19 @@ def archived_rows(database_url: str, submission_id: str) -> list[tuple[str, str]
     return [(str(sid), str(status)) for sid, status in rows]
 
 
+# How long the database stays away after the lost answer: none (the pool reconnects at once),
+# or long enough that the read-back and a retry of the submit meet the outage first.
+AWAY_S = [0.0, 4.0]
+
+
 @pytest.mark.postgres
 @pytest.mark.ray
+@pytest.mark.parametrize("away_s", AWAY_S, ids=["back-at-once", "away-for-a-while"])
 async def test_a_submit_whose_commit_answer_was_lost_runs_once_the_database_answers(
     aiohttp_client: Callable[..., Awaitable[Client]],
     settings: Settings,
     postgres_server: PostgresServer,
+    away_s: float,
 ) -> None:
     database_url = postgres_server.create_database()
     job_id = "in-doubt-submit"
@@ -56,7 +63,7 @@ async def test_a_submit_whose_commit_answer_was_lost_runs_once_the_database_answ
             )
             try:
                 body = {"entrypoint": "echo ran", "submission_id": job_id}
-                proxy.arm(job_id.encode())
+                proxy.arm(job_id.encode(), away_after=away_s > 0)
                 response = await client.post("/api/jobs/", json=body)
                 assert proxy.answer_lost.is_set(), "the proxy lost no COMMIT's answer"
                 assert response.status == 503, await response.text()
@@ -68,6 +75,16 @@ async def test_a_submit_whose_commit_answer_was_lost_runs_once_the_database_answ
                 assert await asyncio.to_thread(archived_rows, database_url, job_id) == [
                     (job_id, "PENDING")
                 ]
+
+                if away_s:
+                    # A retry while the database is away: in doubt too (another run of the id).
+                    retried = await client.post("/api/jobs/", json=body)
+                    assert retried.status == 503, await retried.text()
+                    await asyncio.sleep(away_s)  # the outage's length, not a wait for a state
+                    assert await asyncio.to_thread(archived_rows, database_url, job_id) == [
+                        (job_id, "PENDING")
+                    ]
+                    proxy.reconnect()
 
                 # The database answers again (the pool reconnects through the disarmed proxy):
                 # the job runs to its end, no restart.

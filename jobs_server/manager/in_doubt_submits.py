@@ -50,7 +50,8 @@ class InDoubtSubmits:
         self._archive = archive
         # Called with each run found recorded (its row as archived): queue it.
         self._on_recorded = on_recorded
-        self._runs: dict[str, JobRecord] = {}
+        # By submission_id and run: a retry in doubt too is another run of the same id.
+        self._runs: dict[tuple[str, str], JobRecord] = {}
         self._reading_back: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -61,7 +62,7 @@ class InDoubtSubmits:
         """Keep the run `record`, whose insert is in doubt, until the database says."""
         if self._closed:
             return  # the next server's recovery finds its row, if there is one
-        self._runs[record.submission_id] = record
+        self._runs[record.submission_id, record.run_id] = record
         if self._reading_back is None:
             self._reading_back = asyncio.create_task(self._read_back(), name="in-doubt-submits")
 
@@ -85,7 +86,7 @@ class InDoubtSubmits:
 
     async def _read_back_each(self) -> None:
         """Settle each run the database answers for; stop at the first it does not."""
-        for record in list(self._runs.values()):
+        for key, record in list(self._runs.items()):
             try:
                 row = await asyncio.wait_for(
                     self._archive.get(record.submission_id), READ_BACK_TIMEOUT_S
@@ -98,10 +99,14 @@ class InDoubtSubmits:
                         "reading back job %s failed: %s", record.submission_id, first_line(error)
                     )
                 return
-            del self._runs[record.submission_id]
+            del self._runs[key]
             if row is None or row.run_id != record.run_id or row.status is not JobStatus.PENDING:
                 # Not recorded (the retry may submit it), another run's, or stopped meanwhile.
-                logger.info("job %s: its submit was not recorded after all", record.submission_id)
+                logger.info(
+                    "job %s: its run %s in doubt is not in the archive as PENDING; forgotten",
+                    record.submission_id,
+                    record.run_id,
+                )
                 continue
             logger.info(
                 "job %s: its submit was recorded though its answer was lost; queued",

@@ -1,7 +1,8 @@
 """A loopback TCP proxy between a server and its PostgreSQL that, once armed, loses the answer to
 one COMMIT: the COMMIT reaches the database (it commits), its answer never comes back, and both
-sides of that connection are closed, as when the network breaks at the worst moment. Threads,
-plain sockets, no SSL (loopback). Stopped by `close` (its context)."""
+sides of that connection are closed, as when the network breaks at the worst moment; and, if
+asked, the database stays away from then on (every connection closed, new ones refused) until
+`reconnect`. Threads, plain sockets, no SSL (loopback). Stopped by `close` (its context)."""
 
 from __future__ import annotations
 
@@ -45,6 +46,9 @@ class CommitAnswerLoss:
         self.port: int = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._marker: bytes | None = None
+        # After the loss: the database is away (connections closed at once) until `reconnect`.
+        self._away_after_loss = False
+        self._away = threading.Event()
         self._pairs: list[_Pair] = []
         self.answer_lost = threading.Event()
         self._accepting = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
@@ -53,12 +57,26 @@ class CommitAnswerLoss:
     def url(self, database: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
-    def arm(self, marker: bytes) -> None:
+    def arm(self, marker: bytes, *, away_after: bool = False) -> None:
+        """Lose the answer to the next COMMIT of the connection that sends `marker`; with
+        `away_after`, every connection is cut then and new ones refused until `reconnect`."""
         with self._lock:
             self._marker = marker
+            self._away_after_loss = away_after
+
+    def reconnect(self) -> None:
+        """The database answers again: new connections are forwarded."""
+        self._away.clear()
 
     def close(self) -> None:
         self._listener.close()
+        with self._lock:
+            pairs, self._pairs = self._pairs, []
+        for pair in pairs:
+            pair.close()
+
+    def _go_away(self) -> None:
+        self._away.set()
         with self._lock:
             pairs, self._pairs = self._pairs, []
         for pair in pairs:
@@ -70,6 +88,9 @@ class CommitAnswerLoss:
                 client, _ = self._listener.accept()
             except OSError:
                 return  # closed
+            if self._away.is_set():
+                client.close()
+                continue
             server = socket.create_connection(("127.0.0.1", self._target_port))
             pair = _Pair(client, server)
             with self._lock:
@@ -114,6 +135,8 @@ class CommitAnswerLoss:
                 break
             if pair.commit_sent:
                 # The database committed and answered; the answer is lost on the way.
+                if self._away_after_loss:
+                    self._go_away()
                 self.answer_lost.set()
                 break
             try:
