@@ -465,10 +465,12 @@ class JobManager:
         directory than this server's (its record names it; one of an earlier server does not):
         there, a missing file is not an empty log."""
         record = await self._ensure_exists(submission_id, tenant)
-        if record is None:  # watched here, but perhaps adopted from a server on another one
-            record = await self._archive.get(submission_id)
-        if record is not None:
-            ensure_log_dir_is(record, self._log_dir_id)
+        # A job watched here (perhaps adopted from a server on another log directory): its
+        # watcher knows, and its log is served without a read of the database.
+        written_to = (
+            self._watchers.log_dir_id_of(submission_id) if record is None else record.log_dir_id
+        )
+        ensure_log_dir_is(submission_id, written_to, self._log_dir_id)
 
     async def _ensure_exists(
         self, submission_id: str, tenant: str | None = None

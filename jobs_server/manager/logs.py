@@ -17,7 +17,7 @@ from typing import BinaryIO
 
 from jobs_server.errors import LogUnavailableError
 from jobs_server.manager.log_watch import LOG_POLL_INTERVAL_S, LogWatchers, Wake
-from jobs_server.manager.records import JobRecord, now_ms
+from jobs_server.manager.records import now_ms
 
 logger = logging.getLogger(__name__)
 
@@ -66,13 +66,16 @@ def log_dir_id(log_dir: Path) -> str:
     return marker.read_text().strip()
 
 
-def ensure_log_dir_is(record: JobRecord, this_log_dir_id: str | None) -> None:
-    """LogUnavailableError if the job's log is written to another log directory than the one
-    of id `this_log_dir_id`: there, its file is not (or is not this job's), and a missing file
-    would read as an empty log. A record that names no directory (not handed over yet, or
-    written by an earlier server) is read here, as before."""
-    if record.log_dir_id is not None and record.log_dir_id != this_log_dir_id:
-        raise LogUnavailableError(record.submission_id)
+def ensure_log_dir_is(
+    submission_id: str, written_to: str | None, this_log_dir_id: str | None
+) -> None:
+    """LogUnavailableError if the job's log is written to the log directory of id `written_to`
+    (its record's `log_dir_id`) and that is not this one, `this_log_dir_id`: here its file is
+    not (or is not this job's), and a missing file would read as an empty log. A job whose
+    record names no directory (not handed over yet, or recorded by an earlier server) is read
+    here, as before."""
+    if written_to is not None and written_to != this_log_dir_id:
+        raise LogUnavailableError(submission_id)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,8 @@ class JobWatchers:
         self._current: dict[str, asyncio.Task[None]] = {}
         # The supervisor of each job's current run: the metrics' jobs per supervisor.
         self._supervisor_of: dict[str, str] = {}
+        # The id of the log directory each job watched now logs to (its record's).
+        self._log_dir_of: dict[str, str | None] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -87,6 +89,7 @@ class JobWatchers:
         task = asyncio.create_task(self._watch(record, launch))
         self._current[record.submission_id] = task
         self._supervisor_of[record.submission_id] = record.supervisor_name or ""
+        self._log_dir_of[record.submission_id] = record.log_dir_id
         self._tasks.add(task)
         task.add_done_callback(lambda _: self._forget(record.submission_id, task))
 
@@ -95,6 +98,7 @@ class JobWatchers:
         if self._current.get(submission_id) is task:
             del self._current[submission_id]
             del self._supervisor_of[submission_id]
+            del self._log_dir_of[submission_id]
 
     def watched_ids(self) -> frozenset[str]:
         """The jobs watched now (live: the archive may lag the KV on their status)."""
@@ -103,6 +107,10 @@ class JobWatchers:
     def supervisor_names(self) -> list[str]:
         """The supervisor name of each job watched now (held until its end is archived)."""
         return list(self._supervisor_of.values())
+
+    def log_dir_id_of(self, submission_id: str) -> str | None:
+        """The id of the log directory the watched job logs to (None: unknown, or unwatched)."""
+        return self._log_dir_of.get(submission_id)
 
     def has_ended(self, submission_id: str) -> bool | None:
         """Whether the watched job has ended (its end is recorded); None if none watches it."""
