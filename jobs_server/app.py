@@ -209,6 +209,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         settings.state_dir,
         on_events=on_events,
         parse=caching_record_parser(),
+        database_timeout_s=settings.database_timeout_s,
     )
     event_feed = EventFeed(archive)
     try:

@@ -69,6 +69,17 @@ class Settings(BaseSettings):
             " migrated at start."
         ),
     )
+    database_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description=(
+            "With --database-url: seconds each call of the history (its wait for a connection"
+            " included) may take before its request answers 503 database_unavailable, so that a"
+            " database that accepts connections and never answers (frozen, a lock held forever,"
+            " a stalled disk) is an outage, not a hang; also PostgreSQL's statement_timeout."
+        ),
+    )
     cluster_lost_exit_s: float = Field(
         30.0,
         gt=0,

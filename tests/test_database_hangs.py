@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from jobs_server.manager.archive.postgres import DATABASE_TIMEOUT_S
+from jobs_server.manager.archive.postgres import DATABASE_TIMEOUT_S, connection_options
 from tests.support.postgres import PostgresServer, running_postgres
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
 from tests.test_database_outage import archived_status, assert_database_unavailable
 
-pytestmark = [pytest.mark.postgres, pytest.mark.slow]
+pytestmark = pytest.mark.postgres
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +95,42 @@ def timed_request(url: str, method: str, path: str, body: object = None) -> tupl
     return time.monotonic() - started, response
 
 
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        (
+            "postgresql://postgres@127.0.0.1:5432/jobs",
+            {
+                "connect_timeout": "5",
+                "tcp_user_timeout": "15000",
+                "options": "-c statement_timeout=2500 -c idle_in_transaction_session_timeout=10000",
+            },
+        ),
+        (
+            # The URL's own settings win: its options after ours (the last -c wins).
+            "postgresql://postgres@db/jobs?connect_timeout=30&tcp_user_timeout=0"
+            "&options=-c%20statement_timeout%3D0",
+            {
+                "connect_timeout": None,
+                "tcp_user_timeout": None,
+                "options": "-c statement_timeout=2500"
+                " -c idle_in_transaction_session_timeout=10000 -c statement_timeout=0",
+            },
+        ),
+    ],
+    ids=["defaults", "the-url-wins"],
+)
+def test_connection_options_bound_the_database_unless_the_url_says_otherwise(
+    url: str, expected: dict[str, str | None]
+) -> None:
+    options = connection_options(url, 2.5)
+    assert options["autocommit"] is True
+    assert options["keepalives"] == "1"
+    for key, value in expected.items():
+        assert options.get(key) == value, (key, options)
+
+
+@pytest.mark.slow
 def test_a_hung_database_answers_503_within_a_bound_and_the_server_recovers(
     tmp_path: Path, ray_connection: str, own_postgres: PostgresServer
 ) -> None:

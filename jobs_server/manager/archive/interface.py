@@ -109,6 +109,7 @@ def create_archive(
     *,
     on_events: Callable[[list[JobEvent]], None] | None = None,
     parse: RecordParser = parse_record,
+    database_timeout_s: float | None = None,
 ) -> JobArchive:
     """The archive of `database_url` (PostgreSQL), or without one SQLite at
     `<state_dir>/jobs.db`; not yet open (`await archive.open()`)."""
@@ -121,4 +122,8 @@ def create_archive(
     # Imported here: psycopg is loaded only by a server that uses it.
     from jobs_server.manager.archive.postgres import PostgresArchive
 
-    return PostgresArchive(database_url, on_events=on_events, parse=parse)
+    if database_timeout_s is None:
+        return PostgresArchive(database_url, on_events=on_events, parse=parse)
+    return PostgresArchive(
+        database_url, on_events=on_events, parse=parse, timeout_s=database_timeout_s
+    )

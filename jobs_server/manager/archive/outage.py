@@ -1,7 +1,7 @@
 """When the archive's database does not answer (PostgreSQL down, restarting, unreachable, or
 hung: it accepts connections and never answers): which errors say so, and the probe
 `/api/healthz` makes. A hung database fails no call by itself: the PostgreSQL store bounds each
-of its calls (postgres.py, DATABASE_TIMEOUT_S) and raises DatabaseTimeoutError, an
+of its calls (postgres.py, --database-timeout-s) and raises DatabaseTimeoutError, an
 OperationalError, so that it is an outage here as a refused connection is.
 
 psycopg is imported by a server on PostgreSQL only, so its errors are recognised through the

@@ -101,13 +101,13 @@ RECONNECT_GIVE_UP_S = 10.0
 # (its wait for a connection included) is answered within this bound, with DatabaseTimeoutError
 # (an outage: 503 database_unavailable). Generous for a live database under load: its
 # statements take milliseconds, a batch of 1,000 new jobs tens of them, the longest page of a
-# list 100,000 jobs deep under 10 ms (benchmarks/results-history.md).
+# list 100,000 jobs deep under 10 ms (benchmarks/results-history.md). The default of
+# --database-timeout-s.
 DATABASE_TIMEOUT_S = 5.0
 # The database's own bounds, so that it gives up what its client gave up: a statement (each of
-# a call's), and a transaction left open by a client that went away (a batch runs its writes
-# back to back: seconds idle in one are a client that is gone).
-STATEMENT_TIMEOUT_MS = int(DATABASE_TIMEOUT_S * 1000)
-IDLE_IN_TRANSACTION_TIMEOUT_MS = int(4 * DATABASE_TIMEOUT_S * 1000)
+# a call's) as long as a call, and a transaction left open by a client that went away this many
+# times as long (a batch runs its writes back to back: idle in one is a client that is gone).
+IDLE_IN_TRANSACTION_TIMEOUTS = 4
 # The connection's, so that a peer that vanished (a partition: no reset ever comes) is noticed
 # by the kernel: a connection attempt's bound (libpq: whole seconds), TCP keepalives on an idle
 # connection (probes after 10 s idle, every 3 s, 3 lost: gone), and unacknowledged data
@@ -202,18 +202,20 @@ _TRIM_EVENTS_UP_TO = "DELETE FROM events WHERE id <= %s"
 
 
 class DatabaseTimeoutError(psycopg.OperationalError):
-    """The database did not answer a call of the archive within DATABASE_TIMEOUT_S: an outage
+    """The database did not answer a call of the archive within its timeout: an outage
     as a refused connection is (outage.py), answered 503 database_unavailable."""
 
 
-def connection_options(url: str) -> dict[str, Any]:
+def connection_options(url: str, timeout_s: float = DATABASE_TIMEOUT_S) -> dict[str, Any]:
     """The pool's connection options: autocommit, CONNECTION_OPTIONS the URL does not set,
     and the database's bounds as startup options (no round trip), before the URL's own
     `options`, which win."""
     given = conninfo_to_dict(url)
+    statement_timeout_ms = max(1, round(timeout_s * 1000))
     bounds = (
-        f"-c statement_timeout={STATEMENT_TIMEOUT_MS}"
-        f" -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+        f"-c statement_timeout={statement_timeout_ms}"
+        " -c idle_in_transaction_session_timeout="
+        f"{IDLE_IN_TRANSACTION_TIMEOUTS * statement_timeout_ms}"
     )
     own_options = given.get("options")
     return {
@@ -250,15 +252,17 @@ class PostgresArchive:
         on_events: Callable[[list[JobEvent]], None] | None = None,
         max_events: int = DEFAULT_MAX_EVENTS,
         parse: RecordParser = parse_record,
+        timeout_s: float = DATABASE_TIMEOUT_S,
     ) -> None:
         self.parse_record = parse
         self._url = url
+        self._timeout_s = timeout_s
         self._on_events = on_events
         self._max_events = max_events
         self._pool: AsyncConnectionPool[Connection] | None = None
         self._pending: list[_Pending] = []
         self._committing: asyncio.Task[None] | None = None
-        # Calls whose caller was answered without them (DATABASE_TIMEOUT_S): cancelled, they
+        # Calls whose caller was answered without them (their timeout): cancelled, they
         # end when psycopg gives their connection up (it asks the server to cancel, then
         # closes it: a connection left mid-transaction never goes back to the pool).
         self._abandoned: set[asyncio.Task[Any]] = set()
@@ -272,7 +276,7 @@ class PostgresArchive:
             self._url,
             min_size=POOL_MIN_CONNECTIONS,
             max_size=POOL_MAX_CONNECTIONS,
-            kwargs=connection_options(self._url),
+            kwargs=connection_options(self._url, self._timeout_s),
             open=False,
             name="archive",
             timeout=POOL_WAIT_S,
@@ -309,21 +313,19 @@ class PostgresArchive:
 
     async def _bounded(self, call: Awaitable[_T]) -> _T:
         """The outcome of `call` (a call of the archive: its wait for a connection, its
-        statements), or DatabaseTimeoutError once it has taken DATABASE_TIMEOUT_S. Its caller is
+        statements), or DatabaseTimeoutError once it has taken the archive's timeout. Its caller is
         answered at once then, or when cancelled: the call, cancelled, is left to end on its own
         (a cancelled psycopg query waits for the server's answer to the cancel request)."""
         task = asyncio.ensure_future(call)
         try:
-            done, _ = await asyncio.wait({task}, timeout=DATABASE_TIMEOUT_S)
+            done, _ = await asyncio.wait({task}, timeout=self._timeout_s)
         except asyncio.CancelledError:
             self._abandon(task)
             raise
         if not done:
             self._abandon(task)
-            logger.warning("the database did not answer within %g s", DATABASE_TIMEOUT_S)
-            raise DatabaseTimeoutError(
-                f"the database did not answer within {DATABASE_TIMEOUT_S:g} s"
-            )
+            logger.warning("the database did not answer within %g s", self._timeout_s)
+            raise DatabaseTimeoutError(f"the database did not answer within {self._timeout_s:g} s")
         return task.result()
 
     def _abandon(self, task: asyncio.Task[Any]) -> None:
