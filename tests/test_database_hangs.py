@@ -22,11 +22,11 @@ import pytest
 import requests
 
 from jobs_server.manager.archive.postgres import DATABASE_TIMEOUT_S, connection_options
+from tests.support.database_outage import archived_status, assert_database_unavailable
 from tests.support.postgres import PostgresServer, running_postgres
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
-from tests.test_database_outage import archived_status, assert_database_unavailable
 
 pytestmark = pytest.mark.postgres
 

@@ -14,7 +14,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
@@ -23,6 +22,7 @@ import requests
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
+from tests.support.database_outage import archived_status, assert_database_unavailable
 from tests.support.postgres import (
     PostgresServer,
     running_postgres,
@@ -47,27 +47,6 @@ def own_postgres() -> Iterator[PostgresServer]:
     session's, without fsync and with asynchronous commits, loses the last commits)."""
     with running_postgres(durable=True) as server:
         yield server
-
-
-def assert_database_unavailable(response: requests.Response) -> dict[str, Any]:
-    """The 503 a client can act on: JSON in the server's error shape, code
-    database_unavailable, and when to retry."""
-    assert response.status_code == 503, (response.status_code, response.text)
-    assert response.headers["Content-Type"].startswith("application/json")
-    assert int(response.headers["Retry-After"]) > 0
-    error: dict[str, Any] = response.json()["error"]
-    assert error["code"] == "database_unavailable", error
-    assert "Traceback" not in error["message"]
-    return error
-
-
-def archived_status(database_url: str, submission_id: str) -> str | None:
-    """The job's status in the archive's own row (not a live overlay): what the history says."""
-    with psycopg.connect(database_url) as db:
-        row = db.execute(
-            "SELECT status FROM jobs WHERE submission_id = %s", (submission_id,)
-        ).fetchone()
-    return None if row is None else str(row[0])
 
 
 @pytest.mark.slow
