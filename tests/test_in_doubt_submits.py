@@ -138,3 +138,69 @@ async def test_a_read_back_queues_the_recorded_run_and_forgets_the_others(
         ]
     finally:
         await in_doubt.close()
+
+
+# The bound of each call of the archive in the next test, and how long the proxy holds the
+# insert's COMMIT back: past the bound (the submit is answered 503 and its first read-back finds
+# no row), within PostgreSQL's idle-in-transaction bound (four times it: the COMMIT still lands).
+SHORT_DATABASE_TIMEOUT_S = 1.0
+COMMIT_DELAY_S = 2.5
+
+
+@pytest.mark.postgres
+@pytest.mark.ray
+async def test_a_submit_whose_commit_lands_after_its_timeout_runs_once(
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    settings: Settings,
+    postgres_server: PostgresServer,
+) -> None:
+    """The insert's COMMIT reaches the database after --database-timeout-s: the submit is
+    answered 503 at the bound, its call left to end on its own; the cancel psycopg sends then
+    finds the backend idle in its transaction (ignored), and the COMMIT, when it arrives,
+    commits. The read-back must not conclude "not recorded" before that call has ended."""
+    database_url = postgres_server.create_database()
+    job_id = "late-commit-submit"
+    try:
+        with commit_answer_loss(postgres_server.port) as proxy:
+            via_proxy = proxy.url(database_url.rsplit("/", 1)[1])
+            client = await aiohttp_client(
+                create_app(
+                    settings.model_copy(
+                        update={
+                            "database_url": SecretStr(via_proxy),
+                            "database_timeout_s": SHORT_DATABASE_TIMEOUT_S,
+                        }
+                    )
+                )
+            )
+            try:
+                body = {"entrypoint": "echo ran", "submission_id": job_id}
+                proxy.arm(job_id.encode(), commit_delay_s=COMMIT_DELAY_S)
+                response = await client.post("/api/jobs/", json=body)
+                assert response.status == 503, await response.text()
+                error = (await response.json())["error"]
+                assert error["code"] == "database_unavailable"
+                assert "may have recorded it" in error["message"]
+                # Answered before its COMMIT reached the database: nothing committed yet.
+                assert not proxy.commit_forwarded.is_set()
+                assert await asyncio.to_thread(archived_rows, database_url, job_id) == []
+
+                # The COMMIT lands later: the job is recorded, PENDING, and must run.
+                forwarded = await asyncio.to_thread(proxy.commit_forwarded.wait, DEADLINE_S)
+                assert forwarded, "the proxy never forwarded the COMMIT held back"
+                job = await wait_for_status(client, job_id, timeout_s=DEADLINE_S)
+                assert job["status"] == "SUCCEEDED", job
+                assert await asyncio.to_thread(archived_rows, database_url, job_id) == [
+                    (job_id, "SUCCEEDED")
+                ]
+
+                retry = await client.post("/api/jobs/", json=body)
+                assert retry.status == 409, await retry.text()
+                listed = await (await client.get("/api/jobs/")).json()
+                assert [(j["submission_id"], j["status"]) for j in listed] == [
+                    (job_id, "SUCCEEDED")
+                ]
+            finally:
+                await client.close()
+    finally:
+        postgres_server.drop_database(database_url)

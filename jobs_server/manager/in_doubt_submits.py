@@ -7,6 +7,10 @@ Each such run is kept here, in memory, and read back once the database answers a
 that run, still PENDING, was accepted after all and goes to the queue as recovery puts it there
 (the queue hands it a slot within its caps); no row, or another run's, and it is forgotten. A
 server that stops meanwhile leaves the row to the next one's recovery, which queues it too.
+An insert answered at the archive's timeout (PostgreSQL's --database-timeout-s) is not over:
+its call, abandoned, may still commit (its COMMIT on its way: the cancel psycopg sends finds
+the backend idle and is ignored), so "no row" is concluded only once the calls abandoned by
+then have ended (`JobArchive.abandoned_calls_ended`); a row found before is queued at once.
 On SQLite no insert is in doubt (a file on this disk: it commits or raises): nothing comes here.
 """
 
@@ -52,6 +56,8 @@ class InDoubtSubmits:
         self._on_recorded = on_recorded
         # By submission_id and run: a retry in doubt too is another run of the same id.
         self._runs: dict[tuple[str, str], JobRecord] = {}
+        # The runs read back absent after the archive's abandoned calls had ended: absent.
+        self._calls_ended: set[tuple[str, str]] = set()
         self._reading_back: asyncio.Task[None] | None = None
         self._closed = False
 
@@ -88,18 +94,17 @@ class InDoubtSubmits:
         """Settle each run the database answers for; stop at the first it does not."""
         for key, record in list(self._runs.items()):
             try:
-                row = await asyncio.wait_for(
-                    self._archive.get(record.submission_id), READ_BACK_TIMEOUT_S
-                )
-            except TimeoutError:
-                return
-            except Exception as error:
-                if not insert_may_have_committed(error):
-                    logger.warning(
-                        "reading back job %s failed: %s", record.submission_id, first_line(error)
-                    )
+                row = await self._get(record)
+                if row is None and key not in self._calls_ended:
+                    # Its insert may still commit (abandoned at its timeout, on its way):
+                    # absent only once the calls abandoned by now have ended.
+                    await self._archive.abandoned_calls_ended()
+                    self._calls_ended.add(key)
+                    row = await self._get(record)
+            except _NoAnswer:
                 return
             del self._runs[key]
+            self._calls_ended.discard(key)
             if row is None or row.run_id != record.run_id or row.status is not JobStatus.PENDING:
                 # Not recorded (the retry may submit it), another run's, or stopped meanwhile.
                 logger.info(
@@ -113,3 +118,22 @@ class InDoubtSubmits:
                 record.submission_id,
             )
             self._on_recorded(row)
+
+    async def _get(self, record: JobRecord) -> JobRecord | None:
+        """The job's row as archived; _NoAnswer if the database does not say."""
+        try:
+            return await asyncio.wait_for(
+                self._archive.get(record.submission_id), READ_BACK_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise _NoAnswer from None
+        except Exception as error:
+            if not insert_may_have_committed(error):
+                logger.warning(
+                    "reading back job %s failed: %s", record.submission_id, first_line(error)
+                )
+            raise _NoAnswer from error
+
+
+class _NoAnswer(Exception):
+    """A read-back the database did not answer (or answered with an error): tried again."""

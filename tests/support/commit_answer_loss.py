@@ -2,13 +2,16 @@
 one COMMIT: the COMMIT reaches the database (it commits), its answer never comes back, and both
 sides of that connection are closed, as when the network breaks at the worst moment; and, if
 asked, the database stays away from then on (every connection closed, new ones refused) until
-`reconnect`. Threads, plain sockets, no SSL (loopback). Stopped by `close` (its context)."""
+`reconnect`. Or, armed with a delay, it holds that COMMIT back that long and then forwards it
+and its answer (a slow link: the database commits after its client gave up). Threads, plain
+sockets, no SSL (loopback). Stopped by `close` (its context)."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -25,6 +28,8 @@ class _Pair:
     marked: bool = False
     # Its COMMIT went to the database: the next bytes back are that answer, dropped.
     commit_sent: bool = False
+    # Hold its next COMMIT back this long, then forward it and its answer (None: lose the answer).
+    commit_delay_s: float | None = None
     closed: threading.Event = field(default_factory=threading.Event)
 
     def close(self) -> None:
@@ -48,21 +53,29 @@ class CommitAnswerLoss:
         self._marker: bytes | None = None
         # After the loss: the database is away (connections closed at once) until `reconnect`.
         self._away_after_loss = False
+        self._commit_delay_s: float | None = None
         self._away = threading.Event()
         self._pairs: list[_Pair] = []
         self.answer_lost = threading.Event()
+        # Armed with a delay: set once the COMMIT held back was forwarded to the database.
+        self.commit_forwarded = threading.Event()
         self._accepting = threading.Thread(target=self._accept, name="proxy-accept", daemon=True)
         self._accepting.start()
 
     def url(self, database: str) -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
 
-    def arm(self, marker: bytes, *, away_after: bool = False) -> None:
+    def arm(
+        self, marker: bytes, *, away_after: bool = False, commit_delay_s: float | None = None
+    ) -> None:
         """Lose the answer to the next COMMIT of the connection that sends `marker`; with
-        `away_after`, every connection is cut then and new ones refused until `reconnect`."""
+        `away_after`, every connection is cut then and new ones refused until `reconnect`. With
+        `commit_delay_s`, that COMMIT is held back that long instead, then forwarded (its answer
+        too); the connection's other bytes, and every other connection, are not delayed."""
         with self._lock:
             self._marker = marker
             self._away_after_loss = away_after
+            self._commit_delay_s = commit_delay_s
 
     def reconnect(self) -> None:
         """The database answers again: new connections are forwarded."""
@@ -113,16 +126,25 @@ class CommitAnswerLoss:
                 # The tail of the last chunk too: a marker may straddle two reads.
                 if self._marker is not None and self._marker in seen[-len(self._marker) :] + data:
                     pair.marked = True
+                    pair.commit_delay_s = self._commit_delay_s
                     self._marker = None
+                delay_s = None
                 if pair.marked and _COMMIT in data:
-                    # Before it is sent: the bytes that come back after it are its answer.
                     pair.marked = False
-                    pair.commit_sent = True
+                    if pair.commit_delay_s is None:
+                        # Before it is sent: the bytes that come back after it are its answer.
+                        pair.commit_sent = True
+                    else:
+                        delay_s = pair.commit_delay_s
             seen = data
+            if delay_s is not None:
+                time.sleep(delay_s)  # this connection's thread: the others go on
             try:
                 pair.server.sendall(data)
             except OSError:
                 break
+            if delay_s is not None:
+                self.commit_forwarded.set()
         pair.close()
 
     def _to_client(self, pair: _Pair) -> None:

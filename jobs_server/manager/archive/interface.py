@@ -33,6 +33,12 @@ class JobArchive(EventLog, LeaseStore, Protocol):
         """Wait for the writes already called, then disconnect."""
         ...
 
+    async def abandoned_calls_ended(self) -> None:
+        """Return once every call abandoned so far (its caller answered at the store's timeout,
+        the call left to end on its own) has ended: a write among them committed or not. At
+        once where no call is ever abandoned (SQLite)."""
+        ...
+
     # -- writes: each answered once durable, its events in the same transaction --
 
     async def insert(self, record: JobRecord) -> None:

@@ -337,6 +337,13 @@ class PostgresArchive:
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned_ended)
 
+    async def abandoned_calls_ended(self) -> None:
+        """Return once every call abandoned so far (answered at its timeout) has ended:
+        committed, rolled back, or its connection closed. Bounded by psycopg: it waits 5 s
+        for the server's answer to its cancel request, then closes the connection."""
+        if self._abandoned:
+            await asyncio.wait(set(self._abandoned))
+
     def _abandoned_ended(self, task: asyncio.Task[Any]) -> None:
         self._abandoned.discard(task)
         if not task.cancelled() and task.exception() is not None:

@@ -251,6 +251,9 @@ class Archive:
             self._db = None
         self._executor.shutdown(wait=True)
 
+    async def abandoned_calls_ended(self) -> None:
+        """At once: no call of this store is abandoned (none has a timeout)."""
+
     async def _run(self, function: Callable[..., _T], *args: Any) -> _T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, function, *args)
 
