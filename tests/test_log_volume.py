@@ -22,7 +22,12 @@ import aiohttp
 import pytest
 import requests
 
-from jobs_server.manager.logs import log_dir_id
+from jobs_server.manager import JobRecord, JobSpec
+from jobs_server.manager.archive.postgres import PostgresArchive
+from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.live.store import JobStore
+from jobs_server.manager.logs import job_log_path, log_dir_id
+from jobs_server.manager.records import new_run_id, now_ms
 from tests.support.openapi_contract import Contract
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.servers import start_jobs_server, wait_for_server
@@ -194,6 +199,92 @@ def test_a_server_on_another_log_dir_answers_503_for_logs_it_cannot_see(
         assert (text.status_code, text.text) == (200, "printed\n")
         # The second server's job: its log is in the other directory.
         assert _unavailable_reads(url, "second") == {}
+    finally:
+        stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
+
+
+def _pending(submission_id: str, marker: Path, written_to: str | None) -> JobRecord:
+    """A job recorded PENDING whose command appends to `marker`; handed over on the log
+    directory of id `written_to` (None: a record of an earlier server, never handed over)."""
+    return JobRecord(
+        spec=JobSpec(entrypoint=f"echo ran >> {marker}", submission_id=submission_id),
+        start_time=now_ms(),
+        message="Job is pending.",
+        run_id=new_run_id(),
+        handed_over_time=None if written_to is None else now_ms(),
+        log_dir_id=written_to,
+    )
+
+
+async def _left_by_a_server_on(
+    database_url: str, ray_cluster: str, namespace: str, archived: list[JobRecord], live: JobRecord
+) -> None:
+    """The state a server dies in: `archived` rows, `live` also in the KV; no supervisor."""
+    archive = PostgresArchive(database_url)
+    await archive.open()
+    try:
+        for record in [*archived, live]:
+            await archive.insert(record)
+    finally:
+        await archive.close()
+    await JobStore(GcsKv(ray_cluster, namespace)).create(live)
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_server_on_another_log_dir_never_runs_again_a_job_that_may_have_begun_there(
+    tmp_path: Path, ray_cluster: str, postgres_url: str
+) -> None:
+    """A server on the first log directory died with two jobs PENDING that it had handed over
+    and whose commands began there (their logs are there), with no supervisor left: one only
+    in the archive, one in the KV too. A server on another --log-dir does not see those logs:
+    it must not take "no log here" for "never began" and run them again; it fails them, naming
+    the log directory. A job it can judge (an earlier server's record without a log directory,
+    or one handed over on its own) runs as before."""
+    namespace = f"test_log_volume_{uuid.uuid4().hex[:8]}"
+    first_logs, second_logs = tmp_path / "head-logs", tmp_path / "other-machine-logs"
+    first_logs.mkdir()
+    second_logs.mkdir()
+    first_id, second_id = log_dir_id(first_logs), log_dir_id(second_logs)
+    ran = {job: tmp_path / f"ran-{job}" for job in ("archived", "live", "older", "here")}
+    archived = _pending("archived", ran["archived"], first_id)
+    live = _pending("live", ran["live"], first_id)
+    for began in (archived, live):
+        job_log_path(first_logs, began.submission_id).write_text("began\n")
+    asyncio.run(
+        _left_by_a_server_on(
+            postgres_url,
+            ray_cluster,
+            namespace,
+            [
+                archived,
+                _pending("older", ran["older"], None),
+                _pending("here", ran["here"], second_id),
+            ],
+            live,
+        )
+    )
+
+    url, process = _start_server(
+        tmp_path, "second", second_logs, ray_cluster, postgres_url, namespace
+    )
+    try:
+        _wait_for_status(url, "older", "SUCCEEDED")
+        _wait_for_status(url, "here", "SUCCEEDED")
+        jobs = {
+            job: requests.get(f"{url}/api/jobs/{job}", timeout=REQUEST_TIMEOUT_S).json()
+            for job in ran
+        }
+        assert {job: (jobs[job]["status"], ran[job].exists()) for job in ran} == {
+            "archived": ("FAILED", False),
+            "live": ("FAILED", False),
+            "older": ("SUCCEEDED", True),
+            "here": ("SUCCEEDED", True),
+        }
+        for job in ("archived", "live"):
+            assert "--log-dir" in jobs[job]["message"], jobs[job]
+            assert first_id in jobs[job]["message"], jobs[job]
+        assert ran["older"].read_text() == ran["here"].read_text() == "ran\n"
     finally:
         stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
 

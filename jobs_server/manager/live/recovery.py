@@ -7,7 +7,9 @@ It reads the archive's unfinished rows and the KV's records (both bounded by the
 never the whole history. A row the KV does not have is a job accepted but never handed over (it
 is queued again, and runs when the queue hands it a slot) or a job whose cluster went away with
 its KV (it failed); a KV record the archive does not have (the archive was lost, or written by
-a server before it) is imported.
+a server before it) is imported. A pending job with no supervisor running it is run only if its
+command never began (no log): one handed over on another log directory, whose log this server
+cannot see, fails instead (it must never run twice).
 """
 
 from __future__ import annotations
@@ -247,22 +249,26 @@ class Recovery:
     async def _reconcile_without_kv(self, row: JobRecord) -> None:
         """An unfinished job the KV does not have: never handed over, or its cluster's KV is
         gone (a restarted cluster)."""
-        if row.status is JobStatus.PENDING and not await self._launcher.has_log(row):
+        if row.status is JobStatus.PENDING and not await self._may_have_begun(row):
             # Queued when the server stopped, or it died between archiving the job and handing
             # it over (or the cluster went away before it began): it was accepted, so it runs
             # when the queue hands it a slot.
             logger.info("job %s was never handed to a supervisor; queued", row.submission_id)
             self._queue.requeue(row)
             return
+        if row.status is JobStatus.PENDING and self._logs_elsewhere(row):
+            message = self._unseen_log_message(row)
+        else:
+            message = (
+                "The Ray cluster the job ran on went away (its record in the cluster is gone: "
+                "the cluster restarted); the job's processes ended with it. Its output until "
+                "then is in the log."
+            )
         ended = row.with_changes(
             status=JobStatus.FAILED,
             end_time=now_ms(),
             error_type=JobErrorType.JOB_SUPERVISOR_ACTOR_DIED,
-            message=(
-                "The Ray cluster the job ran on went away (its record in the cluster is gone: "
-                "the cluster restarted); the job's processes ended with it. Its output until "
-                "then is in the log."
-            ),
+            message=message,
         )
         logger.warning("job %s failed: %s", row.submission_id, ended.message)
         await self._archive.update(ended)
@@ -271,12 +277,15 @@ class Recovery:
         name = record.supervisor_name or self._supervisors.name_for(record.spec, record.run_id)
         supervisor = await asyncio.to_thread(self._supervisors.find, name)
         if record.status is JobStatus.PENDING and await self._began_elsewhere(record, supervisor):
-            # Its command began under a supervisor that died before recording RUNNING: running
-            # it again would run a job twice (its log twice over).
+            # Its command began (or may have, on another log directory) under a supervisor that
+            # died before recording RUNNING: running it again would run a job twice (its log
+            # twice over).
             await self._fail(
                 record,
-                f"The job's supervisor ({name}) died after its command began and before it was "
-                "recorded; its processes are gone. Its output until then is in the log.",
+                self._unseen_log_message(record)
+                if self._logs_elsewhere(record)
+                else f"The job's supervisor ({name}) died after its command began and before "
+                "it was recorded; its processes are gone. Its output until then is in the log.",
             )
             return
         if supervisor is None and record.status is JobStatus.PENDING:
@@ -316,9 +325,9 @@ class Recovery:
         self._watchers.watch(record, Launch(supervisor, finished))
 
     async def _began_elsewhere(self, record: JobRecord, supervisor: Any | None) -> bool:
-        """Whether a pending job's command began (its log exists) under a supervisor that is
-        not running it now."""
-        if not await self._launcher.has_log(record):
+        """Whether a pending job's command began (or may have: `_may_have_begun`) under a
+        supervisor that is not running it now."""
+        if not await self._may_have_begun(record):
             return False
         if supervisor is None:
             return True
@@ -327,6 +336,30 @@ class Recovery:
         except Exception as error:
             logger.warning("supervisor of job %s does not answer: %s", record.submission_id, error)
             return True
+
+    def _logs_elsewhere(self, record: JobRecord) -> bool:
+        """Whether the job was handed over on another log directory than this server's (a
+        record without one, of an earlier server, is taken as this server's)."""
+        return record.log_dir_id is not None and record.log_dir_id != self._launcher.log_dir_id
+
+    async def _may_have_begun(self, record: JobRecord) -> bool:
+        """Whether a pending job's command may have begun: its log is here (a command creates
+        it as it starts, before its start is recorded), or the job was handed over on another
+        log directory, where this server cannot look: no log here says nothing of it there."""
+        return self._logs_elsewhere(record) or await self._launcher.has_log(record)
+
+    def _unseen_log_message(self, record: JobRecord) -> str:
+        """Why a pending job handed over on another log directory is not run again here."""
+        return (
+            "The job was handed over by a server on another log directory (id "
+            f"{record.log_dir_id}) than this server's --log-dir "
+            f"({self._launcher.log_path(record).parent}, id {self._launcher.log_dir_id}), and "
+            "no supervisor runs it now: this server cannot see the job's log, so it cannot tell "
+            "whether its command began, and does not run it again (it could run twice). Its "
+            "output until then, if any, is in that log directory: read it from a server on "
+            "that log directory, or give every server the same shared log volume as its "
+            "--log-dir."
+        )
 
     async def _incarnation(self, name: str, supervisor: Any) -> str | None:
         """The actor id of the live supervisor `name`, None if it does not answer."""
