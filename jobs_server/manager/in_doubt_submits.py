@@ -56,7 +56,7 @@ class InDoubtSubmits:
         self._on_recorded = on_recorded
         # By submission_id and run: a retry in doubt too is another run of the same id.
         self._runs: dict[tuple[str, str], JobRecord] = {}
-        # The runs read back absent after the archive's abandoned calls had ended: absent.
+        # The runs whose insert, if abandoned, has ended since: no row is then final.
         self._calls_ended: set[tuple[str, str]] = set()
         self._reading_back: asyncio.Task[None] | None = None
         self._closed = False
