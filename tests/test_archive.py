@@ -118,6 +118,22 @@ async def test_a_duplicate_writes_no_event(archive: JobArchive) -> None:
     assert await archive.event_id_range() == (1, 1)
 
 
+async def test_many_new_jobs_go_in_all_or_none(archive: JobArchive) -> None:
+    """insert_many: one transaction; a taken id (in the archive, or twice in the batch) is
+    named by DuplicateJobError and nothing of the batch is written, not even its events."""
+    await archive.insert(record("taken"))
+    with pytest.raises(DuplicateJobError, match="taken"):
+        await archive.insert_many([record("new-1"), record("taken"), record("new-2")])
+    with pytest.raises(DuplicateJobError, match="twice"):
+        await archive.insert_many([record("twice"), record("new-3"), record("twice")])
+    assert [await archive.get(name) for name in ("new-1", "new-2", "new-3", "twice")] == [None] * 4
+    assert await archive.event_id_range() == (1, 1)
+    # More rows than one statement binds (PostgreSQL's ids may skip what the failures reserved).
+    await archive.insert_many([record(f"job-{index}") for index in range(250)])
+    assert None not in [await archive.get(f"job-{index}") for index in (0, 249)]
+    assert (await archive.event_id_range())[1] >= 251
+
+
 async def test_queries_filter_order_and_page(archive: JobArchive) -> None:
     for index in range(6):
         job = record(

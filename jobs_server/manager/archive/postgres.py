@@ -451,7 +451,7 @@ class PostgresArchive:
         async def insert_many() -> list[JobEvent]:
             async with self._connection() as db, db.transaction():
                 await db.execute(LOCK, (EVENTS_LOCK_KEY,))
-                events = [e for record in records for e in await self._insert_row(db, record)]
+                events = [e for own in await _insert_all_or_none(db, records) for e in own]
                 await self._trim_events(db)
                 await announce_events(db, events)
             return events
@@ -775,6 +775,24 @@ async def _live_lease_holders(db: Connection) -> list[str]:
         f" WHERE holder IS NOT NULL AND expires_at_ms > {POSTGRES_NOW_MS} ORDER BY holder"
     )
     return [str(holder) for (holder,) in await cursor.fetchall()]
+
+
+async def _insert_all_or_none(db: Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
+    """The new rows in a few multi-row statements (a few round trips, whatever their number:
+    the whole call stays within the archive's timeout); if an id is taken, again one by one to
+    name it: DuplicateJobError, and the caller's transaction writes nothing."""
+    try:
+        async with db.transaction():
+            return await _insert_new_rows(db, records)
+    except psycopg.errors.UniqueViolation:
+        pass
+    for record in records:
+        try:
+            async with db.transaction():
+                await _insert_new_rows(db, [record])
+        except psycopg.errors.UniqueViolation:
+            raise DuplicateJobError(record.submission_id) from None
+    raise AssertionError("a taken submission_id that no single insert takes")
 
 
 async def _insert_new_rows(db: Connection, records: Sequence[JobRecord]) -> list[list[JobEvent]]:
