@@ -228,6 +228,11 @@ class ReplicaHealth(BaseModel):
         description="host:pid:random; on PostgreSQL the holder its leases name.",
         examples=["head-0:4242:9f2c1a7be310"],
     )
+    role: Literal["leader", "follower"] = Field(
+        description="`leader`: it does the work of every replica on its database (watches the"
+        " live jobs, runs the queue); `follower`: it answers reads and forwards job writes to"
+        " the leader. On SQLite: leader."
+    )
     database: DatabaseHealth
     jobs_owned: int | None = Field(
         description="The live jobs it answers for: watched (handed to a supervisor, not yet"
@@ -235,14 +240,15 @@ class ReplicaHealth(BaseModel):
         " caller may see every tenant's (an admin key, or a server without keys)."
     )
     leases_held: list[str] = Field(
-        description="The leases it holds on its PostgreSQL database (`server`: one server per"
-        " database); none on SQLite."
+        description="The leases it holds on its PostgreSQL database (`server`: held by the"
+        " leader); none on SQLite."
     )
 
     @classmethod
     def from_state(cls, state: ReplicaState, *, sees_every_tenant: bool) -> ReplicaHealth:
         return cls(
             id=state.replica_id,
+            role=state.role,
             database=DatabaseHealth(
                 backend=state.database_backend, connected=state.database_connected
             ),

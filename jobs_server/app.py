@@ -51,14 +51,18 @@ from jobs_server.manager import (
 from jobs_server.manager.archive.event_feed import EventFeed
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import create_archive
+from jobs_server.manager.archive.leadership import Leadership
 from jobs_server.manager.archive.retention import RetentionPolicy
-from jobs_server.manager.archive.sole_server import SoleServer
 from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
 from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.tenancy import RunAs
 from jobs_server.metrics import ServerMetrics
 from jobs_server.routes import ROUTE_TABLES
 from jobs_server.serving.job_details_cache import JobDetailsJsonCache
+from jobs_server.serving.leader_forwarding import (
+    forwarding_session,
+    leader_forwarding_middleware,
+)
 from jobs_server.serving.middlewares import (
     auth_middleware,
     cluster_health_middleware,
@@ -96,6 +100,7 @@ def create_app(
             request_origin_middleware,
             cross_site_middleware,
             auth_middleware,
+            leader_forwarding_middleware,
             cluster_health_middleware,
         ],
         client_max_size=settings.max_package_bytes + _BODY_LIMIT_MARGIN_BYTES,
@@ -113,6 +118,7 @@ def create_app(
     )
     app[UPLOAD_BUDGET_KEY] = UploadBudget(settings.upload_bytes_in_flight_limit)
     app.on_shutdown.append(_end_log_streams)
+    app.cleanup_ctx.append(forwarding_session)
     if backend is None:
         app.cleanup_ctx.append(_ray_backend)
         app.cleanup_ctx.append(_dashboard_registration)
@@ -217,18 +223,14 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     except BaseException:  # refused (a newer schema) or unreachable: leave Ray before exiting
         await asyncio.to_thread(disconnect_from_ray, connection)
         raise
-    sole_server: SoleServer | None = None
+    leadership: Leadership | None = None
     if settings.database_url is not None:
 
-        def lost_the_database(reason: str) -> None:
+        def lost_the_lead(reason: str) -> None:
             exit_for_lost_database(connection, reason)
 
-        try:
-            sole_server = await SoleServer.take(archive, on_lost=lost_the_database)
-        except BaseException:
-            await archive.close()
-            await asyncio.to_thread(disconnect_from_ray, connection)
-            raise
+        # Replicas on one database: one leads (does the work), the others forward writes.
+        leadership = Leadership.of(archive, url=settings.replica_url, on_lost=lost_the_lead)
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
@@ -257,7 +259,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         # Read at each decision, so the caps of a tokens file re-read on SIGHUP apply at once.
         tenant_limits=app[KEY_RING_KEY].limits_for,
         retry_backoff_s=settings.retry_backoff_s,
-        replica_leases=None if sole_server is None else sole_server.leases,
+        leadership=leadership,
     )
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(connection.gcs_address)
@@ -274,7 +276,14 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         connection.gcs_address, cluster_info.session_name, settings.cluster_lost_exit_s
     )
     app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(app[CLUSTER_HEALTH_KEY])
-    await manager.start()
+    try:
+        await manager.start()
+    except BaseException:  # the database lost before the lead was taken over: leave Ray
+        if leadership is not None:
+            await leadership.close()
+        await archive.close()
+        await asyncio.to_thread(disconnect_from_ray, connection)
+        raise
     try:
         yield
     finally:
@@ -285,8 +294,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             await cluster.answers()
             await manager.close(cluster)
         finally:
-            if sole_server is not None:
-                await sole_server.release()
+            if leadership is not None:
+                await leadership.close()
             await archive.close()
             # ray.shutdown() waits on the GCS: asked again (milliseconds while it is there).
             await cluster.answers()
@@ -348,11 +357,11 @@ DATABASE_LOST_EXIT_CODE = 75
 
 
 def exit_for_lost_database(connection: RayConnection, reason: str) -> None:
-    """Exit at once, non-zero: another server took this server's database over while it was
-    paused past its lease (sole_server.py), so it must write nothing more, not even a graceful
+    """Exit at once, non-zero: another replica took the lead over while this one was paused
+    past its lease (leadership.py), so it must write nothing more, not even a graceful
     shutdown's ends. An embedded Ray's processes end with it; systemd or Kubernetes may start
     it again, to wait for the database or be refused."""
-    logger.critical("another server took over the database, exiting at once: %s", reason)
+    logger.critical("another replica took the lead over, exiting at once: %s", reason)
     disconnect_from_ray(connection, cluster_gone=True)
     logging.shutdown()
     os._exit(DATABASE_LOST_EXIT_CODE)

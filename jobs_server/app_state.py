@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import aiohttp
 from aiohttp import web
 
 from jobs_server.access.auth import AccessPolicy
@@ -44,6 +45,8 @@ SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
 RAY_DRIVERS_KEY = web.AppKey[DriverFinderApi]("ray_drivers")
 DISK_GUARD_KEY = web.AppKey("disk_guard", DiskGuard)
 UPLOAD_BUDGET_KEY = web.AppKey("upload_budget", UploadBudget)
+# The client a follower forwards job writes to the leader with (serving/leader_forwarding.py).
+FORWARDING_SESSION_KEY = web.AppKey("forwarding_session", aiohttp.ClientSession)
 
 # Set by the authentication middleware on each request, read by the audit log.
 AUTHENTICATED_KEY = web.RequestKey("authenticated", bool)

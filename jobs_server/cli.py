@@ -154,7 +154,6 @@ def serve(flags: dict[str, Any]) -> None:
     from jobs_server.access.tokens import TokensFileError, load_tokens_file
     from jobs_server.app import create_app, exit_without_ray, left_the_cluster_gone
     from jobs_server.manager.archive.schema_versions import SchemaUpgradeError
-    from jobs_server.manager.archive.sole_server import DatabaseInUseError
     from jobs_server.manager.tenancy import RunAs
     from jobs_server.serving.request_body import describe_validation_error
     from jobs_server.state_dir import StateDirError, lock_state_dir
@@ -214,7 +213,7 @@ def serve(flags: dict[str, Any]) -> None:
             shutdown_timeout=settings.shutdown_timeout_s,
             access_log_format='%a "%r" %s %b %Tfs',
         )
-    except (DatabaseInUseError, SchemaUpgradeError) as error:
+    except SchemaUpgradeError as error:
         sys.exit(f"jobs-server: {error}")
     except Exception:
         if not left_the_cluster_gone(app):

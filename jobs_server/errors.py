@@ -24,6 +24,7 @@ JobsServerError
 ├── InsufficientStorageError   the state directory's disk is (nearly) full (507)
 ├── UnsupportedMediaTypeError  a body that is not JSON
 ├── DatabaseUnavailableError   the archive's database (PostgreSQL) does not answer now (503)
+├── LeaderUnavailableError     no replica leads the jobs now (a takeover under way): retry (503)
 ├── LogUnavailableError        the job's log is in a log directory this server does not see (503)
 └── ClusterUnavailableError    Ray could not be reached
     └── SupervisorUnreachableError  a job's supervisor cannot be reached (its node may be failing)
@@ -183,6 +184,20 @@ class DatabaseUnavailableError(JobsServerError):
 
     code = "database_unavailable"
     headers: ClassVar[dict[str, str]] = {"Retry-After": str(DATABASE_RETRY_AFTER_S)}
+
+
+# How long a client is asked to wait after a 503 for a job write while no replica leads: a
+# takeover ends within a lease's TTL and a follower's interval (leases.py: 8 s); most are a
+# leader's graceful stop, taken over at the next try (2 s).
+LEADER_RETRY_AFTER_S = 2
+
+
+class LeaderUnavailableError(JobsServerError):
+    """No replica leads the jobs now (one died and another is taking its work over, within
+    seconds), or this one lost the lead: a job write is not taken; retry it shortly."""
+
+    code = "leader_unavailable"
+    headers: ClassVar[dict[str, str]] = {"Retry-After": str(LEADER_RETRY_AFTER_S)}
 
 
 class LogUnavailableError(JobsServerError):

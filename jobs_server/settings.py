@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
+import urllib.parse
 from pathlib import Path
 
 from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
@@ -67,6 +69,14 @@ class Settings(BaseSettings):
             " (with a password, set it in the environment, which the server clears at start:"
             " a flag shows in ps). Unset: SQLite at <state-dir>/jobs.db. Its schema is"
             " migrated at start."
+        ),
+    )
+    advertise_url: str | None = Field(
+        None,
+        description=(
+            "With --database-url: where the other replicas reach this one, to forward job"
+            " writes to it while it leads (http[s]://HOST:PORT). Default: this server's --host"
+            " and --port (a wildcard --host gives this machine's name)."
         ),
     )
     database_timeout_s: float = Field(
@@ -300,6 +310,32 @@ class Settings(BaseSettings):
         if value is not None and not is_postgres_url(value.get_secret_value()):
             raise ValueError("must start with postgresql:// (or postgres://)")
         return value
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urllib.parse.urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.path not in ("", "/") or parts.query or parts.fragment:
+            raise ValueError("must name a server (scheme, host, port), without a path")
+        return f"{parts.scheme}://{parts.netloc}"
+
+    @property
+    def replica_url(self) -> str | None:
+        """Where the other replicas forward job writes while this one leads: --advertise-url,
+        or this server's own address (None on port 0, chosen only when it listens)."""
+        if self.advertise_url is not None:
+            return self.advertise_url
+        if self.port == 0:
+            return None
+        host = socket.getfqdn() if self.host in ("", "0.0.0.0", "::") else self.host
+        if ":" in host:
+            host = f"[{host}]"
+        scheme = "http" if self.tls_cert is None else "https"
+        return f"{scheme}://{host}:{self.port}"
 
     @field_validator("forwarded_allow_ips")
     @classmethod

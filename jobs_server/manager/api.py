@@ -36,6 +36,11 @@ class JobManagerApi(Protocol):
         """This replica: its id, database (and whether it answers now), live jobs and leases."""
         ...
 
+    async def leader_url(self) -> str | None:
+        """Where a job write (submit, stop, delete) goes: None to handle it here (this replica
+        leads), else the leading replica's URL; LeaderUnavailableError while none leads."""
+        ...
+
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job (PENDING) of `tenant` and start it, or queue it over a cap;
         DuplicateJobError if its id is taken (by any tenant), QueueFullError (nothing recorded)

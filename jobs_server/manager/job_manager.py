@@ -19,12 +19,14 @@ from jobs_server.errors import (
     InvalidRequestError,
     JobNotFoundError,
     JobNotTerminalError,
+    LeaderUnavailableError,
 )
 from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
-from jobs_server.manager.archive.leases import ReplicaLeases, new_replica_id
+from jobs_server.manager.archive.leadership import Leadership
+from jobs_server.manager.archive.leases import new_replica_id
 from jobs_server.manager.archive.outage import first_line, probe_database
 from jobs_server.manager.archive.retention import Retention, RetentionPolicy
 from jobs_server.manager.archive.sqlite import Archive as SqliteArchive
@@ -101,14 +103,15 @@ class JobManager:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         jobs_nice: int = 0,
         jobs_user: RunAs | None = None,
-        replica_leases: ReplicaLeases | None = None,
+        leadership: Leadership | None = None,
     ) -> None:
         self._log_dir = log_dir
         # Its id (logs.py `log_dir_id`), learnt at start.
         self._log_dir_id: str | None = None
-        # This server's leases on a shared database (None on SQLite): healthz and /metrics.
-        self._replica_leases = replica_leases
-        self._replica_id = new_replica_id() if replica_leases is None else replica_leases.replica_id
+        # This replica's part among those sharing a database (leadership.py): the leader does
+        # the work, the others forward job writes to it. None on SQLite: one server, the leader.
+        self._leadership = leadership
+        self._replica_id = new_replica_id() if leadership is None else leadership.leases.replica_id
         self._log_watchers = LogWatchers()
         self._archive = archive
         # The archive's events, fanned out; the archive's `on_events` must be its `publish`.
@@ -164,6 +167,7 @@ class JobManager:
             launcher=self._launcher,
             watchers=self._watchers,
             supervisors=self._supervisors,
+            confirm_lead=self._confirm_lead,
         )
         # Submits whose insert may have committed though the database's answer was lost.
         self._in_doubt = InDoubtSubmits(archive=archive, on_recorded=self._queue_recorded)
@@ -199,8 +203,17 @@ class JobManager:
         )
 
     async def start(self) -> None:
-        """Warm the shared supervisors, and reconcile the jobs a previous server left."""
+        """Open the log directory, and lead (or, beside a replica that leads, follow until this
+        one takes the lead over)."""
         self._log_dir_id = await self._launcher.open_log_dir()
+        if self._leadership is None:
+            await self._lead()
+        else:
+            await self._leadership.start(on_elected=self._lead)
+
+    async def _lead(self) -> None:
+        """Take the work over: warm the shared supervisors, reconcile the jobs a previous
+        server (or leader) left, and begin dispatching and the retention."""
         await self._supervisors.start()
         await Recovery(
             store=self._store,
@@ -215,6 +228,24 @@ class JobManager:
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
         if self._retention is not None:
             self._retention.start()
+
+    async def leader_url(self) -> str | None:
+        """Where a job write goes: None to handle it here (this replica leads), else the
+        leading replica's URL; LeaderUnavailableError while none leads."""
+        if self._leadership is None:
+            return None
+        return await self._leadership.leader_url()
+
+    async def _confirm_lead(self) -> None:
+        """Return once this replica surely leads (at once on SQLite, or while its lease is
+        fresh); LeaderUnavailableError if it does not lead, or is still taking the work over."""
+        if self._leadership is None:
+            return
+        if not self._leadership.leading or not self._leadership.ready_to_write:
+            raise LeaderUnavailableError(
+                "This replica does not lead the jobs now: send the write to the one that does."
+            )
+        await self._leadership.confirmed()
 
     def limits_changed(self) -> None:
         """The tenants' caps may have changed (their file re-read): hand over what they allow."""
@@ -260,7 +291,8 @@ class JobManager:
             connected = True
         return ReplicaState.of(
             replica_id=self._replica_id,
-            leases=self._replica_leases,
+            leases=None if self._leadership is None else self._leadership.leases,
+            role="follower" if self._leadership and not self._leadership.leading else "leader",
             database_backend="sqlite" if isinstance(self._archive, SqliteArchive) else "postgresql",
             database_connected=connected,
             jobs_owned=len(self._watchers) + self._queue.queued,
@@ -269,6 +301,7 @@ class JobManager:
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at
         once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
+        await self._confirm_lead()
         await validate_runtime_env(spec.runtime_env, self._packages, tenant=tenant)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
@@ -391,11 +424,13 @@ class JobManager:
         tenant: str | None = None,
     ) -> bool:
         """Ask a job (of `tenant`) to stop; return False if it had already ended."""
+        await self._confirm_lead()
         return await self._stopper.stop_job(submission_id, grace_period_s, tenant)
 
     async def delete_job(self, submission_id: str, *, tenant: str | None = None) -> None:
         """Forget a job (of `tenant`) that has ended: its record, in the archive and the KV,
         and its log."""
+        await self._confirm_lead()
         record = await self._views.record(submission_id, tenant)
         if not record.status.is_terminal():
             raise JobNotTerminalError(submission_id, record.status)

@@ -10,6 +10,7 @@ from typing import Literal
 from jobs_server.manager.archive.leases import LeaseCounters, ReplicaLeases
 
 DatabaseBackend = Literal["sqlite", "postgresql"]
+ReplicaRole = Literal["leader", "follower"]
 
 
 @dataclass(frozen=True)
@@ -19,6 +20,9 @@ class ReplicaState:
     replica_id: str
     """The id it holds its leases under (host:pid:random); on SQLite, where it has none, one
     of the same form made at its start."""
+    role: ReplicaRole
+    """`leader`: it does the work (watches the live jobs, runs the queue); `follower`: it
+    serves reads and forwards job writes to the leader (leadership.py). SQLite: leader."""
     database_backend: DatabaseBackend
     database_connected: bool
     """Whether its database answered a trivial read just now (SQLite: a file on this disk,
@@ -35,6 +39,7 @@ class ReplicaState:
         *,
         replica_id: str,
         leases: ReplicaLeases | None,
+        role: ReplicaRole,
         database_backend: DatabaseBackend,
         database_connected: bool,
         jobs_owned: int,
@@ -42,6 +47,7 @@ class ReplicaState:
         """The state with the leases as they are now (none without `leases`: SQLite)."""
         return cls(
             replica_id=replica_id,
+            role=role,
             database_backend=database_backend,
             database_connected=database_connected,
             jobs_owned=jobs_owned,

@@ -32,6 +32,7 @@ from jobs_server.errors import (
     InvalidTokenError,
     JobNotFoundError,
     JobsServerError,
+    LeaderUnavailableError,
     LogUnavailableError,
     PackageNotFoundError,
     PayloadTooLargeError,
@@ -67,6 +68,7 @@ _STATUS_BY_ERROR: dict[type[JobsServerError], int] = {
     TooManyRequestsError: 429,
     ClusterUnavailableError: 503,
     DatabaseUnavailableError: 503,
+    LeaderUnavailableError: 503,
     LogUnavailableError: 503,
     InsufficientStorageError: 507,
 }

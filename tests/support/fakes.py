@@ -239,12 +239,17 @@ class FakeJobManager:
     async def check_database(self) -> None:
         """Its records are in memory: always there."""
 
+    async def leader_url(self) -> str | None:
+        """One server, the leader: every write is handled here."""
+        return None
+
     async def replica_state(self) -> ReplicaState:
         """A replica on the default store (its records in memory: always there), no leases;
         it owns its jobs that have not ended."""
         return ReplicaState.of(
             replica_id="fake:1:replica",
             leases=None,
+            role="leader",
             database_backend="sqlite",
             database_connected=True,
             jobs_owned=sum(not r.status.is_terminal() for r in self._records.values()),

@@ -1,6 +1,6 @@
 """Leases and fencing in the archive: who owns a piece of work when several replicas (server
-processes) share one history (issue 34, item 3). Nothing uses them yet: the watcher and the
-dispatcher still assume one server; a later change wires them in.
+processes) share one history (issue 34, item 3). The `server` lease decides which replica leads
+(leadership.py); the names below for finer grains are what the leases offer beyond it.
 
 A lease is a row `(name, holder, epoch, expires_at_ms)` of the `leases` table. A replica takes
 a lease that is free (never taken, or released) or expired, and the epoch goes up by one each
@@ -89,13 +89,16 @@ class Lease:
     expires_at_ms: int
     remaining_ms: int
     previous_holder: str | None
+    holder_url: str | None = None
+    """Where its holder serves (`--advertise-url`), if it said: where the others forward the
+    writes of the `server` lease's holder (leadership.py)."""
 
     @property
     def expired(self) -> bool:
         return self.holder is None or self.remaining_ms <= 0
 
 
-_COLUMNS = "name, holder, epoch, expires_at_ms, expires_at_ms - {now}, previous_holder"
+_COLUMNS = "name, holder, epoch, expires_at_ms, expires_at_ms - {now}, previous_holder, holder_url"
 
 
 @dataclass(frozen=True)
@@ -118,9 +121,10 @@ class LeaseStatements:
             # Taken if absent, free or expired; `previous_holder` (the old value, as every
             # right-hand side of a SET) says whether it was taken from a replica.
             acquire=(
-                "INSERT INTO leases (name, holder, epoch, expires_at_ms)"
-                f" VALUES (?, ?, 1, {now_ms} + ?)"
+                "INSERT INTO leases (name, holder, holder_url, epoch, expires_at_ms)"
+                f" VALUES (?, ?, ?, 1, {now_ms} + ?)"
                 " ON CONFLICT (name) DO UPDATE SET holder = excluded.holder,"
+                " holder_url = excluded.holder_url,"
                 " epoch = leases.epoch + 1, expires_at_ms = excluded.expires_at_ms,"
                 " previous_holder = leases.holder"
                 f" WHERE leases.holder IS NULL OR leases.expires_at_ms <= {now_ms}"
@@ -190,6 +194,8 @@ class ReplicaLeases:
 
     store: LeaseStore
     replica_id: str = field(default_factory=new_replica_id)
+    # Where this replica serves, written with each lease it takes (None: it did not say).
+    url: str | None = None
     ttl_s: float = LEASE_TTL_S
     counters: LeaseCounters = field(default_factory=LeaseCounters)
     _held: dict[str, Lease] = field(default_factory=dict, init=False, repr=False)
@@ -205,7 +211,9 @@ class ReplicaLeases:
         """Take `name` if it is free or expired, with the next epoch; None if another replica
         (or this one: renew it instead) holds it live."""
         ttl_ms = round((self.ttl_s if ttl_s is None else ttl_s) * 1000)
-        rows = await self._run(self.store.lease_statements.acquire, (name, self.replica_id, ttl_ms))
+        rows = await self._run(
+            self.store.lease_statements.acquire, (name, self.replica_id, self.url, ttl_ms)
+        )
         if not rows:
             return None
         lease = _lease(rows[0])
@@ -292,7 +300,7 @@ class ReplicaLeases:
 
 
 def _lease(row: Sequence[Any]) -> Lease:
-    name, holder, epoch, expires_at_ms, remaining_ms, previous_holder = row
+    name, holder, epoch, expires_at_ms, remaining_ms, previous_holder, holder_url = row
     return Lease(
         name=name,
         holder=holder,
@@ -300,4 +308,5 @@ def _lease(row: Sequence[Any]) -> Lease:
         expires_at_ms=int(expires_at_ms),
         remaining_ms=int(remaining_ms),
         previous_holder=previous_holder,
+        holder_url=holder_url,
     )

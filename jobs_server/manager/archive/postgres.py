@@ -183,6 +183,13 @@ _MIGRATIONS: tuple[Migration[tuple[str, ...]], ...] = (
         # A server before it takes no `server` lease (sole_server.py): it would run beside one.
         readable_by_previous=False,
     ),
+    # Where a lease's holder serves (leases.py `holder_url`): the leader's, for the others
+    # (leadership.py). The release before takes the `server` lease as the sole server, never
+    # as a leader beside followers: its rows just have none.
+    Migration(
+        ("ALTER TABLE leases ADD COLUMN holder_url TEXT",),
+        readable_by_previous=True,
+    ),
 )
 
 # The first of `%s` ids in a row: the sequence moved past them at once (its own statement

@@ -131,6 +131,11 @@ _MIGRATIONS: tuple[Migration[str], ...] = (
         # A new table; on SQLite (one server per state dir) no lease is taken against another.
         readable_by_previous=True,
     ),
+    # Where a lease's holder serves (leases.py `holder_url`): the leader's, for the others.
+    Migration(
+        "ALTER TABLE leases ADD COLUMN holder_url TEXT",
+        readable_by_previous=True,  # a nullable column: the release before never reads it
+    ),
 )
 # Deleted runs remembered (recovery asks about what the KV still holds at a start).
 MAX_DELETED_RUNS = 100_000

@@ -21,13 +21,18 @@ import asyncio
 import contextlib
 import functools
 import logging
+from collections.abc import Awaitable, Callable
 from enum import Enum
 from typing import NoReturn
 
 import ray
 
 from jobs_server.disk_guard import is_disk_full
-from jobs_server.errors import InsufficientStorageError, InvalidJobOptionsError
+from jobs_server.errors import (
+    InsufficientStorageError,
+    InvalidJobOptionsError,
+    LeaderUnavailableError,
+)
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.outage import is_database_unavailable
 from jobs_server.manager.launcher import Launcher
@@ -44,6 +49,10 @@ from jobs_server.manager.supervisors import Supervisors, is_dedicated
 logger = logging.getLogger(__name__)
 
 PENDING_MESSAGE = "Job is pending."
+
+
+async def _always_leading() -> None:
+    """One server (SQLite): it always leads."""
 
 
 class HandOver(Enum):
@@ -77,8 +86,12 @@ class Dispatcher:
         launcher: Launcher,
         watchers: JobWatchers,
         supervisors: Supervisors,
+        confirm_lead: Callable[[], Awaitable[None]] = _always_leading,
     ) -> None:
         self._queue = queue
+        # Awaited before each step that cannot be undone (leadership.py): a replica that lost
+        # the lead while frozen never hands a job over that the new leader hands over too.
+        self._confirm_lead = confirm_lead
         self._supervisors = supervisors
         self._store = store
         self._history = history
@@ -154,6 +167,7 @@ class Dispatcher:
             log_dir_id=self._launcher.log_dir_id,
         )
         try:
+            await self._confirm_lead()
             await asyncio.to_thread(set_aside_orphaned_log, self._launcher.log_path(record))
             await self._store.create(record)
             supervisor = None
@@ -163,8 +177,11 @@ class Dispatcher:
                 await self._end_called_off(record, supervisor)
                 return HandOver.CALLED_OFF
             assert supervisor is not None
+            await self._confirm_lead()
             launch = self._launcher.start(record, supervisor)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, LeaderUnavailableError):
+            # No longer the leader (a test's; a real one has exited): it writes nothing more,
+            # and the new leader's recovery hands the job over.
             raise
         except Exception as error:
             if on_failure is LaunchFailure.WITHDRAW:
