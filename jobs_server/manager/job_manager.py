@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,12 @@ from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, RunAs, Tenant
 
 logger = logging.getLogger(__name__)
 
+# How often a followed log asks the database whether its job (one this replica does not
+# watch: another replica's, on a follower) has ended.
+END_CHECK_INTERVAL_S = 0.25
+# Past this many jobs remembered, those asked longer ago than the interval are forgotten.
+_END_CHECKS_KEPT = 1024
+
 # The supervisor's code travels with the actor, pickled by value, so a worker node needs nothing
 # but Ray: no jobs_server installed, no runtime env to build before a job can start.
 cloudpickle.register_pickle_by_value(jobs_server)
@@ -113,6 +120,8 @@ class JobManager:
         self._leadership = leadership
         self._replica_id = new_replica_id() if leadership is None else leadership.leases.replica_id
         self._log_watchers = LogWatchers()
+        # When each followed job this replica does not watch was last found still running.
+        self._end_checked_s: dict[str, float] = {}
         self._archive = archive
         # The archive's events, fanned out; the archive's `on_events` must be its `publish`.
         self._event_feed = event_feed
@@ -155,6 +164,7 @@ class JobManager:
             job_start_timeout_s=job_start_timeout_s,
             on_watch=self._queue.hold,
             on_end=lambda record: self._dispatcher.run_ended(record),
+            confirm_lead=self._still_leading,
         )
         # Ends the server decides while the disk is full, archived once it takes them.
         self._ends = DeferredEnds(self._history)
@@ -167,7 +177,7 @@ class JobManager:
             launcher=self._launcher,
             watchers=self._watchers,
             supervisors=self._supervisors,
-            confirm_lead=self._confirm_lead,
+            confirm_lead=self._still_leading,
         )
         # Submits whose insert may have committed though the database's answer was lost.
         self._in_doubt = InDoubtSubmits(archive=archive, on_recorded=self._queue_recorded)
@@ -246,6 +256,12 @@ class JobManager:
                 "This replica does not lead the jobs now: send the write to the one that does."
             )
         await self._leadership.confirmed()
+
+    async def _still_leading(self) -> None:
+        """Return once this replica surely still leads: the hand-overs' and the watchers'
+        confirmation before a step that cannot be undone (recovery's included)."""
+        if self._leadership is not None:
+            await self._leadership.confirmed()
 
     def limits_changed(self) -> None:
         """The tenants' caps may have changed (their file re-read): hand over what they allow."""
@@ -532,7 +548,26 @@ class JobManager:
         # waits, and the archive's row says nothing the queue does not.
         if submission_id in self._queue:
             return False
+        # Another replica's job (this one follows): its status is in the database and the KV,
+        # asked at most every END_CHECK_INTERVAL_S per job rather than at each of the log
+        # watcher's ticks (100 a second). The end is then seen that much later; its last bytes
+        # are still all read (the watcher reads once more after the end).
+        asked_s = self._end_checked_s.get(submission_id)
+        if asked_s is not None and time.monotonic() - asked_s < END_CHECK_INTERVAL_S:
+            return False
         try:
-            return (await self._views.record(submission_id)).status.is_terminal()
+            ended = (await self._views.record(submission_id)).status.is_terminal()
         except JobNotFoundError:
-            return True  # deleted while being read: nothing more will be written
+            ended = True  # deleted while being read: nothing more will be written
+        if ended:
+            self._end_checked_s.pop(submission_id, None)
+        else:
+            now_s = time.monotonic()
+            if len(self._end_checked_s) >= _END_CHECKS_KEPT:  # older than the interval: useless
+                self._end_checked_s = {
+                    job: at
+                    for job, at in self._end_checked_s.items()
+                    if now_s - at < END_CHECK_INTERVAL_S
+                }
+            self._end_checked_s[submission_id] = now_s
+        return ended

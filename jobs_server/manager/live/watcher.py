@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +59,11 @@ class JobWatchers:
         job_start_timeout_s: float,
         on_watch: Callable[[JobRecord], None] = lambda _: None,
         on_end: Callable[[JobRecord], None] = lambda _: None,
+        confirm_lead: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        # Awaited before a failure this server decides (leadership.py): a leader frozen past
+        # its lease (a start timeout passed meanwhile) must not end a job its successor runs.
+        self._confirm_lead = confirm_lead
         # Told of each run watched, and of each whose end is archived (not at close): the
         # queue's slots.
         self._on_watch = on_watch
@@ -141,6 +145,8 @@ class JobWatchers:
         ended = False
         try:
             outcome = await self._outcome(record, launch)
+            if isinstance(outcome, JobFailure) and self._confirm_lead is not None:
+                await self._confirm_lead()
             ended = True
             if isinstance(outcome, JobFailure):
                 failure = outcome
