@@ -170,9 +170,7 @@ async def test_reads_are_answered_by_the_follower_itself(
     aiohttp_client: Callable[..., Awaitable[Client]], tmp_path: Path
 ) -> None:
     # A leader that cannot be reached: a read that went there would fail.
-    follower, follower_manager = await _follower(
-        aiohttp_client, tmp_path, f"http://127.0.0.1:{free_port()}"
-    )
+    follower, _ = await _follower(aiohttp_client, tmp_path, f"http://127.0.0.1:{free_port()}")
     listed = await follower.get("/api/jobs/", headers=AUTH)
     assert listed.status == 200
     assert await listed.json() == []
