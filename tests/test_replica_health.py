@@ -22,8 +22,8 @@ from pydantic import SecretStr
 from jobs_server.access.key_digest import digest_of
 from jobs_server.app import create_app
 from jobs_server.manager.archive.interface import create_archive
-from jobs_server.manager.archive.leases import ReplicaLeases
 from jobs_server.manager.archive.leadership import SERVER_LEASE
+from jobs_server.manager.archive.leases import ReplicaLeases
 from jobs_server.manager.records import JobSpec
 from jobs_server.settings import Settings
 from tests.support.api import wait_for_status
