@@ -359,7 +359,7 @@ def test_a_leader_killed_while_jobs_run_and_wait_loses_and_repeats_nothing(
 def test_a_leader_frozen_past_its_lease_is_replaced_and_exits_75_when_it_wakes(
     tmp_path: Path, ray_connection: str, postgres_url: str
 ) -> None:
-    """Two replicas, a cap of 2, 8 jobs: SIGSTOP the leader for LEASE_TTL_S + 4 s at least.
+    """Two replicas, a cap of 2, 10 jobs: SIGSTOP the leader for LEASE_TTL_S + 4 s at least.
     The follower leads and the queue goes on; SIGCONT while jobs still wait: the old leader
     exits 75 (it lost its lease: it writes nothing more), and every job ran once."""
     cap = 2
@@ -371,7 +371,9 @@ def test_a_leader_frozen_past_its_lease_is_replaced_and_exits_75_when_it_wakes(
         group.start()
         old_leader = group.leader()
         (follower,) = [replica for replica in group.replicas if replica is not old_leader]
-        job_ids = [f"freeze-{i}" for i in range(8)]
+        # Five waves of two, 3 s each: when it wakes (LEASE_TTL_S + 4 s after the freeze, the
+        # takeover at about 5 s) a few still wait.
+        job_ids = [f"freeze-{i}" for i in range(10)]
         with RunningSampler([follower]) as sampler:
             for job_id, replica in zip(job_ids, itertools.cycle(group.replicas), strict=False):
                 submit(replica, **marker_job(marker, job_id, sleep_s=3))
