@@ -40,7 +40,6 @@ from jobs_server.manager import (
     DashboardRegistration,
     JobManager,
     PackageStore,
-    RayConnection,
     RayDrivers,
     connect_to_ray,
     disconnect_from_ray,
@@ -223,14 +222,10 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     except BaseException:  # refused (a newer schema) or unreachable: leave Ray before exiting
         await asyncio.to_thread(disconnect_from_ray, connection)
         raise
-    leadership: Leadership | None = None
-    if settings.database_url is not None:
-
-        def lost_the_lead(reason: str) -> None:
-            exit_for_lost_database(connection, reason)
-
-        # Replicas on one database: one leads (does the work), the others forward writes.
-        leadership = Leadership.of(archive, url=settings.replica_url, on_lost=lost_the_lead)
+    # Replicas on one database: one leads (does the work), the others forward writes.
+    leadership = (
+        None if settings.database_url is None else Leadership.of(archive, url=settings.replica_url)
+    )
     manager = JobManager(
         gcs_address=connection.gcs_address,
         namespace=settings.namespace,
@@ -350,21 +345,6 @@ def exit_without_ray(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
-
-
-# The exit status of a server whose database another server took over (EX_TEMPFAIL).
-DATABASE_LOST_EXIT_CODE = 75
-
-
-def exit_for_lost_database(connection: RayConnection, reason: str) -> None:
-    """Exit at once, non-zero: another replica took the lead over while this one was paused
-    past its lease (leadership.py), so it must write nothing more, not even a graceful
-    shutdown's ends. An embedded Ray's processes end with it; systemd or Kubernetes may start
-    it again, to wait for the database or be refused."""
-    logger.critical("another replica took the lead over, exiting at once: %s", reason)
-    disconnect_from_ray(connection, cluster_gone=True)
-    logging.shutdown()
-    os._exit(DATABASE_LOST_EXIT_CODE)
 
 
 def exit_for_lost_cluster(reason: str) -> None:

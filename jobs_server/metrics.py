@@ -206,7 +206,8 @@ class _ReplicaSeries(Collector):
             ),
             CounterMetricFamily(
                 "jobs_server_leases_lost",
-                "Leases this replica held and found taken over by another replica.",
+                "Leases this replica held and found taken over by another replica (it was"
+                " frozen or cut off past the lease, and stepped down).",
                 value=leases.lost,
             ),
         ]

@@ -28,7 +28,6 @@ import pytest
 import requests
 
 from jobs_server.access.key_digest import new_api_key
-from jobs_server.app import DATABASE_LOST_EXIT_CODE
 from jobs_server.manager.archive.leases import LEASE_RENEW_INTERVAL_S, LEASE_TTL_S
 from tests.support.postgres import PostgresServer
 from tests.support.processes import wait_until
@@ -44,7 +43,6 @@ from tests.support.replicas import (
     marker_lines,
     submit,
     submit_retrying,
-    wait_for_exit,
     wait_for_status,
 )
 from tests.support.tenant_server import tokens_toml
@@ -356,12 +354,14 @@ def test_a_leader_killed_while_jobs_run_and_wait_loses_and_repeats_nothing(
         group.stop()
 
 
-def test_a_leader_frozen_past_its_lease_is_replaced_and_exits_75_when_it_wakes(
+def test_a_leader_frozen_past_its_lease_is_replaced_then_follows_and_can_lead_again(
     tmp_path: Path, ray_connection: str, postgres_url: str
 ) -> None:
     """Two replicas, a cap of 2, 10 jobs: SIGSTOP the leader for LEASE_TTL_S + 4 s at least.
     The follower leads and the queue goes on; SIGCONT while jobs still wait: the old leader
-    exits 75 (it lost its lease: it writes nothing more), and every job ran once."""
+    finds its lease taken, hands nothing over and ends nothing, and follows (it stays up and
+    forwards writes). Then the new leader is killed -9: the old one leads again and every job
+    (one more submitted through it) runs once."""
     cap = 2
     marker = tmp_path / "marker"
     group = ReplicaGroup(
@@ -394,14 +394,25 @@ def test_a_leader_frozen_past_its_lease_is_replaced_and_exits_75_when_it_wakes(
                 still_queued = list_jobs(follower, status="PENDING")
             finally:
                 old_leader.thaw()
-            code = wait_for_exit(old_leader.process, LEASE_RENEW_INTERVAL_S + MARGIN_S)
-            assert code == DATABASE_LOST_EXIT_CODE, old_leader.log()
-            ends = [wait_for_status(itertools.repeat(follower), job_id) for job_id in job_ids]
+            # It notices at its next renewal, steps down and follows; it stays up.
+            wait_until(
+                lambda: old_leader.role() == "follower",
+                LEASE_RENEW_INTERVAL_S + MARGIN_S,
+                "the old leader to follow",
+            )
+            assert old_leader.is_alive(), old_leader.log()
+            assert "lost the lead, and follows" in old_leader.log()
+            # A write through it goes to the new leader.
+            job_ids.append(submit(old_leader, **marker_job(marker, "freeze-10", sleep_s=3)))
+            # The new leader dies while jobs still wait: the old one leads again.
+            sampler.use([old_leader])
+            follower.kill()
+            assert group.leader([old_leader], TAKEOVER_S + MARGIN_S) is old_leader
+            ends = [wait_for_status(itertools.repeat(old_leader), job_id) for job_id in job_ids]
         # Woken with jobs still waiting, it handed none of them over again.
         assert still_queued, "the queue had emptied before the old leader woke: nothing tested"
         assert [end["status"] for end in ends] == ["SUCCEEDED"] * len(job_ids), ends
         assert_each_ran_once(marker, job_ids)
-        assert follower.role() == "leader"
         assert sampler.errors == []
         assert 1 <= sampler.most <= cap, sampler.counts
     finally:

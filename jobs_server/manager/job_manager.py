@@ -219,7 +219,7 @@ class JobManager:
         if self._leadership is None:
             await self._lead()
         else:
-            await self._leadership.start(on_elected=self._lead)
+            await self._leadership.start(on_elected=self._lead, on_deposed=self._step_down)
 
     async def _lead(self) -> None:
         """Take the work over: warm the shared supervisors, reconcile the jobs a previous
@@ -238,6 +238,20 @@ class JobManager:
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
         if self._retention is not None:
             self._retention.start()
+
+    async def _step_down(self) -> None:
+        """The lead was lost to another replica (this one was frozen, or its database away,
+        past its lease): drop the work, writing nothing of it. The jobs run on in their
+        supervisors, and the new leader's recovery watches them and queues the queued again."""
+        if self._retention is not None:
+            await self._retention.close()
+        await self._dispatcher.close()
+        await self._watchers.close()
+        await self._ends.close()
+        await self._in_doubt.close()
+        self._in_doubt = InDoubtSubmits(archive=self._archive, on_recorded=self._queue_recorded)
+        self._queue.clear()
+        logger.info("stepped down: the jobs are another replica's to watch now")
 
     async def leader_url(self) -> str | None:
         """Where a job write goes: None to handle it here (this replica leads), else the

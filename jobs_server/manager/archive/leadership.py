@@ -20,10 +20,14 @@ a lock per decision, and a takeover is the restart path that the recovery tests 
 Fencing. A leader acts only while it is *sure* of its lease: for LEADER_SURE_S after the last
 renewal it asked for (by its own monotonic clock, which runs on while the process is frozen),
 which ends before the lease can expire for the others. Each irreversible step of a hand-over
-(the KV record, the supervisor's start) first awaits `confirmed()`: at once while sure, else
-after a renewal; a leader frozen past its lease finds it taken at that renewal and exits (75)
-before it starts anything, so a job never runs twice. What is left is a freeze of more than the
-lease's TTL between the confirmation and the start call a few microseconds later.
+(the KV record, the supervisor's start) and each end the leader decides itself first awaits
+`confirmed()`: at once while sure, else after a renewal. A leader frozen past its lease finds
+it taken at that renewal, before it starts or ends anything, so a job never runs twice; the
+job writes it was asked for answer 503. It then steps down (`on_deposed`: its watchers,
+queue, hand-overs and retention are dropped, writing nothing; the jobs run on and the new
+leader watches them) and follows, as a new replica would; it may lead again later. What is left
+is a freeze of more than the lease's TTL between a confirmation and the start call a few
+microseconds later.
 """
 
 from __future__ import annotations
@@ -56,29 +60,31 @@ LEADER_SURE_S = LEASE_TTL_S - LEASE_RENEW_INTERVAL_S
 FORWARDED_BY_HEADER = "X-Jobs-Server-Forwarded-By"
 # How soon a confirmation that the database did not answer asks again.
 _CONFIRM_RETRY_S = 0.2
+# How soon a leader whose renewal failed tries again (followers try every
+# LEASE_RENEW_INTERVAL_S).
+_RENEW_RETRY_S = 0.5
 
 
 class Leadership:
     """This replica's part: leader (holds `server`, does the work) or follower (forwards)."""
 
-    def __init__(self, leases: ReplicaLeases, on_lost: Callable[[str], None]) -> None:
+    def __init__(self, leases: ReplicaLeases) -> None:
         self._leases = leases
-        self._on_lost = on_lost
         self._leading = False
         # Until when (time.monotonic) the leader acts without a renewal.
         self._sure_until_s = 0.0
         self._lead_ready = False
         self._on_elected: Callable[[], Awaitable[None]] | None = None
+        self._on_deposed: Callable[[], Awaitable[None]] | None = None
         self._running: asyncio.Task[None] | None = None
         self._electing: asyncio.Task[None] | None = None
+        self._stepping_down: asyncio.Future[None] | None = None
         self._renewal: asyncio.Future[None] | None = None
 
     @classmethod
-    def of(
-        cls, store: LeaseStore, *, url: str | None, on_lost: Callable[[str], None]
-    ) -> Leadership:
+    def of(cls, store: LeaseStore, *, url: str | None) -> Leadership:
         """A replica's leadership on `store`, advertising `url` to the others."""
-        return cls(ReplicaLeases(store, url=url), on_lost)
+        return cls(ReplicaLeases(store, url=url))
 
     @property
     def leases(self) -> ReplicaLeases:
@@ -96,11 +102,17 @@ class Leadership:
         writes are then taken here, once `confirmed`."""
         return self._leading and self._lead_ready
 
-    async def start(self, on_elected: Callable[[], Awaitable[None]]) -> None:
+    async def start(
+        self,
+        on_elected: Callable[[], Awaitable[None]],
+        on_deposed: Callable[[], Awaitable[None]],
+    ) -> None:
         """Lead at once if nobody does (`on_elected` awaited before this returns: the first
         replica is ready when it serves, as a single server is), else follow; either way keep
-        renewing, or asking for, the lead in the background."""
+        renewing, or asking for, the lead in the background. `on_deposed` drops the work,
+        writing nothing, when the lead was lost to another replica."""
         self._on_elected = on_elected
+        self._on_deposed = on_deposed
         elected = await self._try_to_lead()
         self._running = asyncio.create_task(self._run(), name="leadership")
         if elected:
@@ -108,7 +120,7 @@ class Leadership:
 
     async def close(self) -> None:
         """Stop renewing and give the lead up, so that a follower takes it at its next try."""
-        for task in (self._running, self._electing):
+        for task in (self._running, self._electing, self._stepping_down):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -122,11 +134,12 @@ class Leadership:
             logger.warning("the lead was not released: %s", error)
 
     async def confirmed(self) -> None:
-        """Return once this replica is sure it still leads (at once while it is); a leader
-        that lost its lease meanwhile exits here (`on_lost`) without returning."""
+        """Return once this replica is sure it still leads (at once while it is);
+        LeaderUnavailableError if it does not lead, or finds the lead lost (it then steps
+        down)."""
         while not self._sure():
             if not self._leading:
-                raise LeaderUnavailableError("This replica no longer leads the jobs.")
+                raise LeaderUnavailableError("This replica does not lead the jobs now.")
             if self._renewal is None or self._renewal.done():
                 self._renewal = asyncio.ensure_future(self._renew())
             try:
@@ -149,7 +162,7 @@ class Leadership:
             await self.confirmed()
             return None
         lease = await self._leases.current(SERVER_LEASE)
-        if lease is None or lease.expired:
+        if lease is None or lease.expired or lease.holder == self._leases.replica_id:
             raise LeaderUnavailableError("No replica leads the jobs now (a takeover is under way).")
         if lease.holder_url is None:
             raise LeaderUnavailableError(
@@ -178,7 +191,14 @@ class Leadership:
     async def _run(self) -> None:
         unanswered = False
         while True:
-            await asyncio.sleep(LEASE_RENEW_INTERVAL_S)
+            # A leader whose renewal failed (the database away) asks again sooner than the
+            # followers try to take the lead: when the database is back, it keeps its lead.
+            await asyncio.sleep(
+                _RENEW_RETRY_S if self._leading and unanswered else LEASE_RENEW_INTERVAL_S
+            )
+            if self._stepping_down is not None:
+                # Its work dropped before it may lead again.
+                await asyncio.shield(self._stepping_down)
             try:
                 if self._leading:
                     await self._renew()
@@ -188,7 +208,7 @@ class Leadership:
                         self._take_the_work_over(), name="taking-the-work-over"
                     )
             except LeaderUnavailableError:
-                return  # lost: `on_lost` ended the process (or, in a test, said so)
+                unanswered = False  # lost: stepping down, and following from now on
             except Exception as error:  # the database away: reads answer 503 meanwhile
                 if not unanswered:
                     logger.warning("the lead could not be renewed or asked for: %s", error)
@@ -205,7 +225,21 @@ class Leadership:
         self._sure_until_s = asked_s + LEADER_SURE_S
 
     def _lose(self, reason: str) -> NoReturn:
+        """Another replica took the lead over (this one was frozen, or its database away,
+        past the lease): follow, and drop the work, writing nothing more of it."""
+        logger.warning("this replica lost the lead, and follows: %s", reason)
         self._leading = False
         self._lead_ready = False
-        self._on_lost(reason)
-        raise LeaderUnavailableError("This replica lost the lead.")
+        self._stepping_down = asyncio.ensure_future(self._step_down(self._electing))
+        raise LeaderUnavailableError("This replica lost the lead of the jobs; retry shortly.")
+
+    async def _step_down(self, electing: asyncio.Task[None] | None) -> None:
+        if electing is not None and not electing.done():
+            electing.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await electing
+        assert self._on_deposed is not None
+        try:
+            await self._on_deposed()
+        except Exception:
+            logger.exception("dropping the work of a lost lead failed")

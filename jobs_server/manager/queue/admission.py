@@ -156,6 +156,16 @@ class JobQueue:
         self._dispatched_at: deque[float] = deque(maxlen=DISPATCHES_MEASURED)
         self._dispatched_at_by_tenant: dict[str, deque[float]] = {}
 
+    def clear(self) -> None:
+        """Forget every slot and queued job (a replica that stepped down: the new leader's
+        recovery has them); the caps and the measured dispatches stay."""
+        self._running.clear()
+        self._running_by_tenant.clear()
+        self._tenants.clear()
+        self._queued.clear()
+        self._reserved_by_tenant.clear()
+        self._last_turn.clear()
+
     # -- counts -----------------------------------------------------------------------------
 
     @property

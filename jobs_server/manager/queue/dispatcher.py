@@ -106,8 +106,10 @@ class Dispatcher:
 
     def start(self) -> None:
         """Begin dispatching (after recovery has adopted the running jobs and re-queued the
-        others: until then a free slot may not be free)."""
+        others: until then a free slot may not be free); again after a `close`, when a replica
+        that stepped down leads again."""
         self._started = True
+        self._closed = False
         self.fill()
 
     async def close(self) -> None:
