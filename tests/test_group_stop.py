@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.support.processes import wait_until
-from tests.support.restarts import JOB_TIMEOUT_S, embedded_server
+from tests.support.restarts import JOB_TIMEOUT_S, Server, embedded_server
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -46,48 +46,86 @@ def group_is_gone(pgid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("signalled", ["whole_group", "server_alone_after_its_gcs_died"])
-def test_sigterm_with_the_embedded_ray_gone_ends_the_server_cleanly_and_loses_nothing(
-    tmp_path: Path, ray_tmpdir: Path, signalled: str
+# Each way of signalling, in this order, on one state dir.
+SIGNALLED = ("whole_group", "server_alone_after_its_gcs_died")
+
+
+def run_a_job(server: Server, marker: str) -> str:
+    """A job left running, once its output is there."""
+    job_id = server.submit(entrypoint=f"echo started; sleep 1000; : {marker}")
+    server.wait_status(job_id, "RUNNING")
+    wait_until(lambda: "started" in server.logs(job_id), JOB_TIMEOUT_S, "the job's output")
+    return job_id
+
+
+def sigterm_and_check_the_exit(
+    server: Server, signalled: str, marker: str, life_starts_at: int
 ) -> None:
+    """SIGTERM as `signalled` says; the server ends in time, with 0 and no traceback in what it
+    logged in this life (from byte `life_starts_at` of its log), and neither its Ray's processes
+    nor those of the job (found by `marker`) are left."""
+    log_path = server.tmp_path / "server.log"
+    assert server.process is not None
+    pgid = server.process.pid
+    if signalled == "whole_group":
+        os.killpg(pgid, signal.SIGTERM)
+    else:
+        (gcs,) = [p for p in psutil.Process(pgid).children() if p.name() == "gcs_server"]
+        gcs.kill()  # a zombie until the server reaps it: not waited for here
+        server.process.send_signal(signal.SIGTERM)
+    try:
+        exit_code = server.process.wait(timeout=STOP_GRACE_S + EXIT_MARGIN_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        server.process.wait()
+        pytest.fail(
+            f"still running {STOP_GRACE_S + EXIT_MARGIN_S} s after SIGTERM ({signalled}):\n"
+            + log_path.read_text(errors="replace")
+        )
+    this_life = log_path.read_bytes()[life_starts_at:].decode(errors="replace")
+    # 0: a SIGTERM shutdown, as when the server alone is signalled with its Ray there.
+    assert exit_code == 0, (signalled, this_life)
+    assert "Traceback" not in this_life, (signalled, this_life)
+    # Nothing of its Ray nor of the job is left: the job went with its supervisor.
+    wait_until(
+        lambda: group_is_gone(pgid), 30, f"the embedded Ray's processes to end ({signalled})"
+    )
+    wait_until(
+        lambda: processes_with(marker) == [], 30, f"the job's processes to end ({signalled})"
+    )
+
+
+def assert_recovered(server: Server, signalled: str, job_id: str) -> None:
+    """The start after the signal recorded the running job FAILED, its log kept, and lists
+    nothing as running or pending."""
+    ended = server.wait_status(job_id, "FAILED", "STOPPED")
+    assert ended["status"] == "FAILED", (signalled, ended)
+    assert "went away" in ended["message"], (signalled, ended)
+    assert "started" in server.logs(job_id), signalled
+    assert server.listed(status="RUNNING,PENDING") == {}, signalled
+
+
+def test_sigterm_with_the_embedded_ray_gone_ends_the_server_cleanly_and_loses_nothing(
+    tmp_path: Path, ray_tmpdir: Path
+) -> None:
+    """Both ways in turn: the start that recovers the job of the first signalled life is the
+    life signalled next (3 server lives and Ray starts for both ways, not 4). Its checks of the
+    recovery come before its own job is submitted, so each way is checked as if alone."""
     server = embedded_server(tmp_path, ray_tmpdir)
     log_path = tmp_path / "server.log"
-    marker = f"group-stop-marker-{tmp_path.name}"
-    server.start()
+    signalled_job: tuple[str, str] | None = None  # (how it was signalled, job id)
     try:
-        job_id = server.submit(entrypoint=f"echo started; sleep 1000; : {marker}")
-        server.wait_status(job_id, "RUNNING")
-        wait_until(lambda: "started" in server.logs(job_id), JOB_TIMEOUT_S, "the job's output")
-        assert server.process is not None
-        pgid = server.process.pid
-        if signalled == "whole_group":
-            os.killpg(pgid, signal.SIGTERM)
-        else:
-            (gcs,) = [p for p in psutil.Process(pgid).children() if p.name() == "gcs_server"]
-            gcs.kill()  # a zombie until the server reaps it: not waited for here
-            server.process.send_signal(signal.SIGTERM)
-        try:
-            exit_code = server.process.wait(timeout=STOP_GRACE_S + EXIT_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            server.process.wait()
-            pytest.fail(
-                f"still running {STOP_GRACE_S + EXIT_MARGIN_S} s after SIGTERM ({signalled}):\n"
-                + log_path.read_text(errors="replace")
-            )
-        first_run = log_path.read_text(errors="replace")
-        # 0: a SIGTERM shutdown, as when the server alone is signalled with its Ray there.
-        assert exit_code == 0, first_run
-        assert "Traceback" not in first_run, first_run
-        # Nothing of its Ray nor of the job is left: the job went with its supervisor.
-        wait_until(lambda: group_is_gone(pgid), 30, "the embedded Ray's processes to end")
-        wait_until(lambda: processes_with(marker) == [], 30, "the job's processes to end")
-
+        for signalled in SIGNALLED:
+            life_starts_at = log_path.stat().st_size if log_path.exists() else 0
+            server.start()
+            if signalled_job is not None:
+                assert_recovered(server, *signalled_job)
+            marker = f"group-stop-marker-{tmp_path.name}-{signalled}"
+            job_id = run_a_job(server, marker)
+            sigterm_and_check_the_exit(server, signalled, marker, life_starts_at)
+            signalled_job = (signalled, job_id)
         server.start()
-        ended = server.wait_status(job_id, "FAILED", "STOPPED")
-        assert ended["status"] == "FAILED", ended
-        assert "went away" in ended["message"], ended
-        assert "started" in server.logs(job_id)
-        assert server.listed(status="RUNNING,PENDING") == {}
+        assert signalled_job is not None
+        assert_recovered(server, *signalled_job)
     finally:
         server.stop()
