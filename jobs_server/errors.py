@@ -187,8 +187,8 @@ class DatabaseUnavailableError(JobsServerError):
 
 
 # How long a client is asked to wait after a 503 for a job write while no replica leads: a
-# takeover ends within a lease's TTL and a follower's interval (leases.py: 8 s); most are a
-# leader's graceful stop, taken over at the next try (2 s).
+# takeover comes when the dead leader's lease expires (leases.py: at most 5 s after its death);
+# a leader's graceful stop is taken over within a second.
 LEADER_RETRY_AFTER_S = 2
 
 

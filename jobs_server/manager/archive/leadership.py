@@ -8,10 +8,11 @@ the shared database, Ray's GCS and the shared log directory, and forward every j
 (submit, stop, delete) to the leader (serving/leader_forwarding.py).
 
 The leader is the holder of the database's `server` lease (leases.py: its epoch goes up at each
-change of hands, its expiry is by the database's clock). Followers try to take it every
-LEASE_RENEW_INTERVAL_S; a leader that dies (kill -9, or frozen past its lease) is replaced
-within LEASE_TTL_S + LEASE_RENEW_INTERVAL_S (8 s), and the new leader runs the recovery a
-restarted server runs: it adopts the running jobs and queues again the queued ones.
+change of hands, its expiry is by the database's clock), renewed every LEASE_RENEW_INTERVAL_S.
+A follower asks for it when the lease says it expires (and at least every interval); a leader
+that dies (kill -9, or frozen past its lease) is replaced LEASE_TTL_S after its last renewal
+(4-5 s after its death), and the new leader runs the recovery a restarted server runs: it
+adopts the running jobs and queues again the queued ones.
 
 Why one leader rather than an owner per job: the queue's order is one order over every tenant
 (admission.py); with one process deciding it, a cap of 50 means 50 across the replicas without
@@ -60,9 +61,11 @@ LEADER_SURE_S = LEASE_TTL_S - LEASE_RENEW_INTERVAL_S
 FORWARDED_BY_HEADER = "X-Jobs-Server-Forwarded-By"
 # How soon a confirmation that the database did not answer asks again.
 _CONFIRM_RETRY_S = 0.2
-# How soon a leader whose renewal failed tries again (followers try every
-# LEASE_RENEW_INTERVAL_S).
-_RENEW_RETRY_S = 0.5
+# How soon a leader whose renewal failed tries again: sooner than its interval, so that when
+# the database is back it renews before a follower takes the lead.
+_RENEW_RETRY_S = 0.25
+# How long after the lease's expiry (by the database's clock) a follower asks for it.
+_AFTER_EXPIRY_S = 0.05
 
 
 class Leadership:
@@ -80,6 +83,8 @@ class Leadership:
         self._electing: asyncio.Task[None] | None = None
         self._stepping_down: asyncio.Future[None] | None = None
         self._renewal: asyncio.Future[None] | None = None
+        # When (from its last try) a follower asks for the lead again.
+        self._next_try_s = LEASE_RENEW_INTERVAL_S
 
     @classmethod
     def of(cls, store: LeaseStore, *, url: str | None) -> Leadership:
@@ -177,11 +182,20 @@ class Leadership:
     async def _try_to_lead(self) -> bool:
         asked_s = time.monotonic()
         if await self._leases.acquire(SERVER_LEASE) is None:
+            self._next_try_s = await self._until_the_lease_expires_s()
             return False
         self._sure_until_s = asked_s + LEADER_SURE_S
         self._leading = True
         logger.info("this replica leads the jobs (%s)", self._leases.replica_id)
         return True
+
+    async def _until_the_lease_expires_s(self) -> float:
+        """When a follower asks again: as the leader's lease expires (by the database's clock,
+        so a dead leader is replaced as soon as it may be), at most an interval from now."""
+        lease = await self._leases.current(SERVER_LEASE)
+        if lease is None:
+            return 0.0
+        return min(max(lease.remaining_ms / 1000 + _AFTER_EXPIRY_S, 0.0), LEASE_RENEW_INTERVAL_S)
 
     async def _take_the_work_over(self) -> None:
         assert self._on_elected is not None
@@ -193,9 +207,10 @@ class Leadership:
         while True:
             # A leader whose renewal failed (the database away) asks again sooner than the
             # followers try to take the lead: when the database is back, it keeps its lead.
-            await asyncio.sleep(
-                _RENEW_RETRY_S if self._leading and unanswered else LEASE_RENEW_INTERVAL_S
-            )
+            if self._leading:
+                await asyncio.sleep(_RENEW_RETRY_S if unanswered else LEASE_RENEW_INTERVAL_S)
+            else:
+                await asyncio.sleep(LEASE_RENEW_INTERVAL_S if unanswered else self._next_try_s)
             if self._stepping_down is not None:
                 # Its work dropped before it may lead again.
                 await asyncio.shield(self._stepping_down)
