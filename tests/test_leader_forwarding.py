@@ -8,6 +8,7 @@ ports, on the in-memory manager (no Ray: what is under test is the HTTP hop)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -74,7 +75,9 @@ async def test_job_writes_on_a_follower_are_done_by_the_leader(
     aiohttp_client: Callable[..., Awaitable[Client]],
     tmp_path: Path,
     leader: tuple[Client, FakeJobManager],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.INFO, logger="jobs_server.audit")
     leader_client, leader_manager = leader
     follower, follower_manager = await _follower(
         aiohttp_client, tmp_path, str(leader_client.make_url("/"))
@@ -87,6 +90,10 @@ async def test_job_writes_on_a_follower_are_done_by_the_leader(
     assert (await submitted.json())["submission_id"] == "one"
     assert "one" in leader_manager._records
     assert "one" not in follower_manager._records  # reads are the follower's own
+    # The leader sees the follower as its peer: the follower's audit line names the client.
+    forwards = [r.getMessage() for r in caplog.records if r.getMessage().startswith("forward ")]
+    assert forwards[0].startswith("forward /api/jobs/ remote=127.0.0.1 authenticated=True")
+    assert "status=200" in forwards[0]
     duplicate = await follower.post(
         "/api/jobs/", json={"entrypoint": "echo hi", "submission_id": "one"}, headers=AUTH
     )

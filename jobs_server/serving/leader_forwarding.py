@@ -9,7 +9,8 @@ same tokens file as every replica.
 
 Headers that describe this hop (Connection, Content-Length, ...) are not forwarded, nor
 `X-Forwarded-*`/`Forwarded`, which the leader would read as the follower's word about the
-client: the leader sees the follower as the peer. A forwarded write carries
+client: the leader sees the follower as the peer, so the follower writes the audit line that
+names the client (`forward`, with the leader's answer). A forwarded write carries
 FORWARDED_BY_HEADER, so a replica that gets one and does not lead (it lost the lead while the
 write was on its way) answers 503 instead of forwarding it again.
 """
@@ -23,6 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from jobs_server.app_state import FORWARDING_SESSION_KEY, JOB_MANAGER_KEY
+from jobs_server.audit import audit
 from jobs_server.errors import LeaderUnavailableError
 from jobs_server.manager.archive.leadership import FORWARDED_BY_HEADER
 from jobs_server.serving.middlewares import Handler
@@ -116,14 +118,17 @@ async def _forward(request: web.Request, leader_url: str) -> web.Response:
             allow_redirects=False,
         ) as answer:
             content = await answer.read()
+            audit(request, "forward", request.path, leader=leader_url, status=answer.status)
             response = web.Response(body=content, status=answer.status)
             for name, value in answer.headers.items():
                 if name.lower() not in _NOT_ANSWERED:
                     response.headers.add(name, value)
             return response
     except aiohttp.ClientConnectorError as error:
+        audit(request, "forward", request.path, leader=leader_url, status="unreachable")
         logger.warning("the leader at %s does not answer: %s", leader_url, error)
         raise LeaderUnavailableError(_NOT_SENT_MESSAGE.format(url=leader_url)) from error
     except (TimeoutError, aiohttp.ClientError) as error:
+        audit(request, "forward", request.path, leader=leader_url, status="answer lost")
         logger.warning("the leader at %s took a write and did not answer: %s", leader_url, error)
         raise LeaderUnavailableError(_IN_DOUBT_MESSAGE.format(url=leader_url)) from error
