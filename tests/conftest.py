@@ -92,8 +92,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # Seconds, about: a test that starts a Ray of its own (or kills and restarts one) takes about
-# 30 s; one in a module marked slow or browser a few; any other a fraction of one.
+# 30 s; one that starts replicas (several servers) about 10; one in a module marked slow or
+# browser a few; any other a fraction of one.
 OWN_RAY_WEIGHT = 30.0
+REPLICAS_WEIGHT = 10.0
 SLOW_WEIGHT = 3.0
 PLAIN_WEIGHT = 0.25
 
@@ -103,6 +105,8 @@ def _estimated_weight(item: pytest.Item) -> float:
         item.get_closest_marker(mark) for mark in ("multinode", "gcs")
     ):
         return OWN_RAY_WEIGHT
+    if item.get_closest_marker("replicas"):
+        return REPLICAS_WEIGHT
     if any(item.get_closest_marker(mark) for mark in ("slow", "browser")):
         return SLOW_WEIGHT
     return PLAIN_WEIGHT

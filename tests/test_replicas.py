@@ -47,7 +47,7 @@ from tests.support.replicas import (
 )
 from tests.support.tenant_server import tokens_toml
 
-pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow, pytest.mark.replicas]
 
 # The replicas of the group the API cases share.
 REPLICA_COUNT = 3
