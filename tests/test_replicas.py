@@ -13,9 +13,11 @@ benchmark, not to this suite: here the same checks run on 20 jobs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import itertools
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -131,6 +133,14 @@ def follow_log_text(replica: Replica, job_id: str) -> str:
     ) as response:
         assert response.status_code == 200, response.text
         return b"".join(response.iter_content(chunk_size=None)).decode()
+
+
+def follow_log_bytes(replica: Replica, job_id: str, offset: int = 0) -> bytes:
+    """The log from `offset`, as `GET /logs?follow=true&offset=` sends it, to the body's end."""
+    params = {"follow": "true", "offset": str(offset)}
+    with replica.request("GET", f"/api/jobs/{job_id}/logs", params=params, stream=True) as answer:
+        assert answer.status_code == 200, answer.text
+        return b"".join(answer.iter_content(chunk_size=None))
 
 
 def follow_log_events(replica: Replica, job_id: str) -> tuple[str, dict[str, Any]]:
@@ -291,8 +301,12 @@ def test_a_tenant_sees_none_of_another_tenants_jobs_on_any_replica(group: Replic
 
 
 def marker_job(marker: Path, job_id: str, sleep_s: int) -> dict[str, str]:
-    """A job that sleeps, then writes its id to the marker file: each id once if it ran once."""
-    return {"entrypoint": f"sleep {sleep_s}; echo {job_id} >> {marker}", "submission_id": job_id}
+    """A job that says it started, sleeps, then writes its id to its log and to the marker file:
+    each id once if it ran once."""
+    return {
+        "entrypoint": f"echo started; sleep {sleep_s}; echo {job_id} | tee -a {marker}",
+        "submission_id": job_id,
+    }
 
 
 def assert_each_ran_once(marker: Path, job_ids: list[str]) -> None:
@@ -303,6 +317,59 @@ def assert_each_ran_once(marker: Path, job_ids: list[str]) -> None:
 
 def count_by_status(replica: Replica) -> collections.Counter[str]:
     return collections.Counter(job["status"] for job in list_jobs(replica))
+
+
+class ResumingEventFollower(threading.Thread):
+    """A client of `/api/events` (NDJSON, from the first event) behind a load balancer: it
+    follows the stream on one replica and, when that stream breaks, resumes on the next replica
+    after the last id it got; it keeps every event, until each of `job_ids` has ended."""
+
+    def __init__(self, replicas: list[Replica], job_ids: list[str]) -> None:
+        super().__init__(daemon=True)
+        self.replicas = replicas
+        self.waiting = set(job_ids)
+        self.events: list[dict[str, Any]] = []
+        self.resumptions = 0
+        self.connected = threading.Event()
+
+    def run(self) -> None:
+        after = "0"
+        for replica in itertools.cycle(self.replicas):
+            try:
+                params = {"format": "ndjson", "after": after}
+                with replica.request("GET", "/api/events", params=params, stream=True) as answer:
+                    if answer.status_code != 200:
+                        time.sleep(0.5)
+                        continue
+                    self.connected.set()
+                    for line in answer.iter_lines():
+                        event = json.loads(line)
+                        if event["type"] == "heartbeat":
+                            continue
+                        self.events.append(event)
+                        after = str(event["id"])
+                        if event["type"] == "status" and event["status"] in TERMINAL_STATUSES:
+                            self.waiting.discard(event["submission_id"])
+                        if not self.waiting:
+                            return
+            except requests.RequestException:
+                pass
+            self.resumptions += 1
+
+
+def every_event(replica: Replica, last_id: int) -> list[dict[str, Any]]:
+    """Every event from the first through `last_id`, read in one stream from `replica`."""
+    events: list[dict[str, Any]] = []
+    params = {"format": "ndjson", "after": "0"}
+    with replica.request("GET", "/api/events", params=params, stream=True) as answer:
+        assert answer.status_code == 200, answer.text
+        for line in answer.iter_lines():
+            event = json.loads(line)
+            if event["type"] != "heartbeat":
+                events.append(event)
+                if event["id"] >= last_id:
+                    return events
+    raise AssertionError(f"{replica}: the event stream ended after {events}")
 
 
 def test_a_leader_killed_while_jobs_run_and_wait_loses_and_repeats_nothing(
@@ -323,14 +390,29 @@ def test_a_leader_killed_while_jobs_run_and_wait_loses_and_repeats_nothing(
         survivors = [replica for replica in group.replicas if replica is not leader]
         turns = group.rotation()
         job_ids = [f"kill-{i:02d}" for i in range(20)]
+        # A follower of the events on the replica killed, and one of a log there: each resumes
+        # on a survivor, as behind a load balancer.
+        events = ResumingEventFollower([leader, *survivors], [*job_ids, "kill-late"])
+        events.start()
+        assert events.connected.wait(30)
         with RunningSampler(group.replicas) as sampler:
             for job_id in job_ids:
                 submit(next(turns), **marker_job(marker, job_id, sleep_s=4))
             wait_until(lambda: count_by_status(leader)["RUNNING"] > 0, 60, "jobs to run")
             assert count_by_status(leader)["PENDING"] > 0, "no job waits in the queue"
-
-            sampler.use(survivors)
-            leader.kill()
+            followed = next(job["submission_id"] for job in list_jobs(leader, status="RUNNING"))
+            with leader.request(
+                "GET", f"/api/jobs/{followed}/logs", params={"follow": "true"}, stream=True
+            ) as log:
+                assert log.status_code == 200
+                chunks = log.iter_content(chunk_size=None)
+                log_before = next(chunks)  # its first line: it runs
+                sampler.use(survivors)
+                leader.kill()
+                with contextlib.suppress(requests.RequestException):
+                    for chunk in chunks:
+                        log_before += chunk
+            log_after = follow_log_bytes(survivors[0], followed, offset=len(log_before))
             answers = submit_retrying(
                 survivors[0], marker_job(marker, "kill-late", sleep_s=1), deadline_s=120
             )
@@ -350,6 +432,15 @@ def test_a_leader_killed_while_jobs_run_and_wait_loses_and_repeats_nothing(
         assert sorted(listed) == sorted([*job_ids, "kill-late"])
         assert sampler.errors == []
         assert 1 <= sampler.most <= cap, sampler.counts
+        # The log follower resumed at its offset on a survivor: the whole log, no byte twice.
+        assert (log_before + log_after).decode() == f"started\n{followed}\n"
+        assert log_before, "the follower on the killed replica got nothing before it died"
+        # The events follower resumed after its last id on a survivor: every event once.
+        events.join(JOB_TIMEOUT_S)
+        assert not events.is_alive(), f"events still awaited for {events.waiting}"
+        assert events.resumptions >= 1, "the event stream never broke: nothing was resumed"
+        expected = every_event(new_leader, events.events[-1]["id"])
+        assert [e["id"] for e in events.events] == [e["id"] for e in expected]
     finally:
         group.stop()
 
