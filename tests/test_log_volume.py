@@ -17,6 +17,7 @@ import subprocess
 import threading
 import uuid
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import pytest
@@ -24,10 +25,12 @@ import requests
 
 from jobs_server.manager import JobRecord, JobSpec
 from jobs_server.manager.archive.postgres import PostgresArchive
+from jobs_server.manager.launcher import Launcher
 from jobs_server.manager.live.kv import GcsKv
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.logs import job_log_path, log_dir_id
 from jobs_server.manager.records import new_run_id, now_ms
+from jobs_server.manager.supervisors import Supervisors
 from tests.support.openapi_contract import Contract
 from tests.support.processes import free_port, stop_leader_then_group, wait_until
 from tests.support.servers import start_jobs_server, wait_for_server
@@ -308,3 +311,38 @@ def test_a_log_directory_keeps_one_id_whoever_creates_it_first(tmp_path: Path) -
     assert log_dir_id(other) != ids[0]
     assert sorted(path.name for path in shared.iterdir()) == [".log-dir-id"]
     assert stat.S_IMODE((shared / ".log-dir-id").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize(
+    ("written_to", "log_here", "may_have_begun"),
+    [
+        ("other", False, True),  # begun, perhaps, on another log directory: never run again
+        ("this", False, False),  # this directory's, and no log: its command never began
+        ("this", True, True),
+        (None, False, False),  # an earlier server's record: judged by this directory
+        (None, True, True),
+    ],
+)
+def test_whether_a_command_began_is_never_judged_from_another_log_directory(
+    tmp_path: Path, written_to: str | None, log_here: bool, may_have_begun: bool
+) -> None:
+    """The watcher (a supervisor that died: run the job on its replacement if its command
+    never began) and the stop (a run called off before it began) ask the launcher whether a
+    run's command began, by its log on this log directory. A run handed over on another one
+    (a leader on another machine, before this replica took the lead) may have begun there: the
+    answer must be yes, or its command would run twice."""
+    launcher = Launcher(
+        supervisors=cast(Supervisors, None),
+        log_dir=tmp_path / "logs",
+        stop_grace_s=1,
+        head_node_id="head",
+    )
+    this_id = asyncio.run(launcher.open_log_dir())
+    record = _pending(
+        "job",
+        tmp_path / "ran",
+        {"other": "another-id", "this": this_id}.get(written_to or ""),
+    )
+    if log_here:
+        job_log_path(tmp_path / "logs", "job").write_text("began\n")
+    assert asyncio.run(launcher.has_log(record)) is may_have_begun

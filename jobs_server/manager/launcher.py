@@ -104,8 +104,13 @@ class Launcher:
         return job_log_path(self._log_dir, record.submission_id)
 
     async def has_log(self, record: JobRecord) -> bool:
-        """Whether the job's log is on the head: its command began (a command on the head
-        creates it as it starts, before its start is recorded)."""
+        """Whether the run's command may have begun: its log is on the head (a command on the
+        head creates it as it starts, before its start is recorded), or the run was handed over
+        on another log directory (a leader on another machine), whose logs this server cannot
+        see: there, no log here says nothing, and a command that may have begun must not run
+        twice."""
+        if record.log_dir_id is not None and record.log_dir_id != self.log_dir_id:
+            return True
         return await asyncio.to_thread(self.log_path(record).exists)
 
     def supervised_job(self, record: JobRecord) -> dict[str, Any]:
