@@ -35,11 +35,11 @@ def processes_with(word: str) -> list[int]:
     return found
 
 
-def submit_history(server: Server) -> dict[str, str]:
-    """A job that succeeds, one that fails, one left running."""
+def submit_history(server: Server, ok_id: str = "demo-1") -> dict[str, str]:
+    """A job that succeeds (submitted as `ok_id`), one that fails, one left running."""
     jobs = {
         "ok": server.submit(
-            submission_id="demo-1", entrypoint="echo hello from demo", metadata={"team": "a"}
+            submission_id=ok_id, entrypoint="echo hello from demo", metadata={"team": "a"}
         ),
         "failed": server.submit(entrypoint="echo bad; exit 3", metadata={"team": "b"}),
         "running": server.submit(entrypoint=f"echo started; sleep 1000; : {marker(server)}"),
@@ -69,7 +69,7 @@ def assert_finished_history(server: Server, jobs: dict[str, str], before: dict[s
     # A submission_id in the archive is taken, after a restart too (Ray's wording).
     response = requests.post(
         f"{server.url}/api/jobs/",
-        json={"submission_id": "demo-1", "entrypoint": "echo again"},
+        json={"submission_id": jobs["ok"], "entrypoint": "echo again"},
         timeout=60,
     )
     assert response.status_code == 409, response.text
@@ -77,12 +77,16 @@ def assert_finished_history(server: Server, jobs: dict[str, str], before: dict[s
     assert server.logs(jobs["ok"]) == "hello from demo\n"
 
 
-def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_jobs(
+def test_a_graceful_restart_then_kill_9_of_an_embedded_server_keep_history_and_end_running_jobs(
     tmp_path: Path, ray_tmpdir: Path
 ) -> None:
+    """(a), then (b) on the same state dir: the start after the graceful restart is the life
+    killed next (3 server lives and Ray starts for both, not 4). The graceful restart's checks
+    come before the second history is submitted, and that history has an id of its own."""
     server = embedded_server(tmp_path, ray_tmpdir)
     server.start()
     try:
+        # (a) A graceful restart keeps the history and stops the running job.
         jobs = submit_history(server)
         before = server.listed()
         assert processes_with(marker(server))
@@ -95,6 +99,17 @@ def test_a_graceful_restart_in_embedded_mode_keeps_history_and_stops_running_job
         assert "server shut down" in running["message"]
         assert "started" in server.logs(jobs["running"])
         assert server.listed(status="RUNNING,PENDING") == {}
+
+        # (b) kill -9 keeps the history and fails the running job.
+        jobs = submit_history(server, ok_id="demo-2")
+        before = server.listed()
+        server.kill()
+        server.start()
+        assert_finished_history(server, jobs, before)
+        running = server.wait_status(jobs["running"], "FAILED")
+        assert "cluster" in running["message"]
+        assert "went away" in running["message"]
+        assert "started" in server.logs(jobs["running"])
     finally:
         server.stop()
 
@@ -136,25 +151,6 @@ def test_an_embedded_server_stopped_on_a_full_disk_still_stops_its_jobs_graceful
         server.start()
         ended = server.job(job_id)
         assert ended["status"] in ("STOPPED", "FAILED"), ended
-    finally:
-        server.stop()
-
-
-def test_kill_9_of_an_embedded_server_keeps_history_and_fails_the_running_jobs(
-    tmp_path: Path, ray_tmpdir: Path
-) -> None:
-    server = embedded_server(tmp_path, ray_tmpdir)
-    server.start()
-    try:
-        jobs = submit_history(server)
-        before = server.listed()
-        server.kill()
-        server.start()
-        assert_finished_history(server, jobs, before)
-        running = server.wait_status(jobs["running"], "FAILED")
-        assert "cluster" in running["message"]
-        assert "went away" in running["message"]
-        assert "started" in server.logs(jobs["running"])
     finally:
         server.stop()
 
