@@ -224,6 +224,9 @@ class JobManager:
     async def _lead(self) -> None:
         """Take the work over: warm the shared supervisors, reconcile the jobs a previous
         server (or leader) left, and begin dispatching and the retention."""
+        # A replica that led before and stepped down may hold a submit's stale entry: the
+        # recovery queues again what the archive says waits.
+        self._queue.clear()
         await self._supervisors.start()
         await Recovery(
             store=self._store,

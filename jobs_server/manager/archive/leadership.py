@@ -202,6 +202,23 @@ class Leadership:
         await self._on_elected()
         self._lead_ready = True
 
+    async def _take_the_work_over_or_give_up(self) -> None:
+        """A follower's takeover; one that fails (the GCS away during the recovery) drops
+        what it took and gives the lead up, to be asked for again, rather than hold a lead it
+        cannot serve (every write would answer 503 until it stops)."""
+        try:
+            await self._take_the_work_over()
+        except Exception:
+            logger.exception("taking the jobs over failed; giving the lead up to try again")
+            self._leading = False
+            assert self._on_deposed is not None
+            with contextlib.suppress(Exception):
+                await self._on_deposed()
+            try:
+                await self._leases.release(SERVER_LEASE)
+            except Exception as error:  # the database away: the lease expires instead
+                logger.warning("the lead was not released: %s", error)
+
     async def _run(self) -> None:
         unanswered = False
         while True:
@@ -220,7 +237,7 @@ class Leadership:
                 elif await self._try_to_lead():
                     # Beside the renewals: a recovery of many jobs may outlast the lease.
                     self._electing = asyncio.create_task(
-                        self._take_the_work_over(), name="taking-the-work-over"
+                        self._take_the_work_over_or_give_up(), name="taking-the-work-over"
                     )
             except LeaderUnavailableError:
                 unanswered = False  # lost: stepping down, and following from now on
