@@ -20,6 +20,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -340,3 +341,102 @@ def test_postgres_restarted_under_load_answers_503_meanwhile_and_loses_nothing(
     ran = collections.Counter(marker_lines(marker))
     assert ran == collections.Counter(list(client.accepted)), ran
     assert 1 <= max(sampler.counts, default=0) <= CAP, sampler.counts
+
+
+# A database away this long: a managed database's failover or a slow crash recovery; long
+# enough after the requests (sent LEASE_TTL_S after the stop) that one held until the database
+# is back is told from one answered while it is away.
+LONG_OUTAGE_S = LEASE_TTL_S + 12.0
+# What a request may take while the database is away: the pool's wait for a connection (3 s)
+# or a call's bound (--database-timeout-s, 5 s), and a margin for a loaded machine.
+OUTAGE_ANSWER_BOUND_S = 15.0
+
+
+def test_a_write_to_the_leader_answers_503_while_postgres_stays_away(
+    tmp_path: Path, ray_connection: str, own_postgres: PostgresServer
+) -> None:
+    """PostgreSQL stopped for LONG_OUTAGE_S; once the leader's last renewal is older than the
+    lease's TTL, a submit to the leader, a submit to the follower and a get on the leader,
+    at once: each answers a 503 a client can act on within OUTAGE_ANSWER_BOUND_S (docs: at
+    once, or after at most 3 s of waiting for a connection, or the call's 5 s), while the
+    database is still away. Before, the leader held its own writes until the database came
+    back: its confirmation of the lead waited for the database with no bound."""
+    group = ReplicaGroup(tmp_path, ray_connection, own_postgres.create_database(), 2)
+    try:
+        group.start()
+        leader = group.leader()
+        (follower,) = [replica for replica in group.replicas if replica is not leader]
+        stop_immediately(own_postgres)
+        stopped_s = time.monotonic()
+        back_s: float | None = None
+        try:
+            time.sleep(LEASE_TTL_S)
+            requests_at_once = {
+                "submit to the leader": (leader, "POST", "/api/jobs/", "late-leader"),
+                "submit to the follower": (follower, "POST", "/api/jobs/", "late-follower"),
+                "get on the leader": (leader, "GET", "/api/jobs/absent", None),
+            }
+            with ThreadPoolExecutor(len(requests_at_once)) as pool:
+                asked_s = time.monotonic()
+                futures = {
+                    what: pool.submit(
+                        ask_within,
+                        replica,
+                        method,
+                        path,
+                        None if job_id is None else {"entrypoint": "true", "submission_id": job_id},
+                    )
+                    for what, (replica, method, path, job_id) in requests_at_once.items()
+                }
+                time.sleep(max(0.0, stopped_s + LONG_OUTAGE_S - time.monotonic()))
+                start_again(own_postgres)
+                back_s = time.monotonic()
+                answers = {what: future.result() for what, future in futures.items()}
+        finally:
+            if back_s is None:
+                start_again(own_postgres)
+        logger.info(
+            "asked %.1f s after the stop, the database back %.1f s after it: %s",
+            asked_s - stopped_s,
+            (back_s or 0.0) - stopped_s,
+            {
+                what: (a.status, a.code, round(a.took_s, 1), a.message[:120])
+                for what, a in answers.items()
+            },
+        )
+        # Whether the writes whose clients gave up were done after all, once the database was
+        # back (what a client that retries without a submission_id would submit twice).
+        group.leader(timeout_s=RECOVERY_S)
+        done_after_all = {
+            job_id: leader.request("GET", f"/api/jobs/{job_id}").status_code
+            for job_id in ("late-leader", "late-follower")
+        }
+        logger.info("after the outage, GET of each late submit: %s", done_after_all)
+        not_refused = {what: a for what, a in answers.items() if not a.is_acceptable_503()}
+        assert not_refused == {}, describe(list(not_refused.values()))
+        assert back_s is not None
+        held = {what: a for what, a in answers.items() if a.started_s + a.took_s >= back_s}
+        assert held == {}, describe(list(held.values()))
+    finally:
+        group.stop()
+
+
+def ask_within(replica: Replica, method: str, path: str, body: dict[str, str] | None) -> Answer:
+    """One request with OUTAGE_ANSWER_BOUND_S as the client's bound."""
+    started = time.monotonic()
+    try:
+        response = replica.request(method, path, json=body, timeout=OUTAGE_ANSWER_BOUND_S)
+    except requests.RequestException as error:
+        return Answer(replica.name, started, time.monotonic() - started, None, message=repr(error))
+    is_json = response.headers.get("Content-Type", "").startswith("application/json")
+    refusal = response.json().get("error", {}) if is_json else {}
+    return Answer(
+        replica.name,
+        started,
+        time.monotonic() - started,
+        response.status_code,
+        code=refusal.get("code"),
+        retry_after=response.headers.get("Retry-After"),
+        json_body=is_json,
+        message=str(refusal.get("message", response.text[:500])),
+    )

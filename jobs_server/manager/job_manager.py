@@ -272,7 +272,8 @@ class JobManager:
             raise LeaderUnavailableError(
                 "This replica does not lead the jobs now: send the write to the one that does."
             )
-        await self._leadership.confirmed()
+        # A client waits for its answer: a database that does not answer is its 503.
+        await self._leadership.confirmed(wait_for_the_database=False)
 
     async def _still_leading(self) -> None:
         """Return once this replica surely still leads: the hand-overs' and the watchers'

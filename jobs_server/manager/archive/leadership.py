@@ -138,22 +138,31 @@ class Leadership:
         except Exception as error:  # the database away: the lease expires instead
             logger.warning("the lead was not released: %s", error)
 
-    async def confirmed(self) -> None:
+    async def confirmed(self, *, wait_for_the_database: bool = True) -> None:
         """Return once this replica is sure it still leads (at once while it is);
         LeaderUnavailableError if it does not lead, or finds the lead lost (it then steps
-        down)."""
+        down). While the database does not answer it waits for it (a hand-over: it goes on
+        once the database is back), or, without `wait_for_the_database` (a client's write,
+        which must be answered), raises the database's error (503 database_unavailable)."""
         while not self._sure():
             if not self._leading:
                 raise LeaderUnavailableError("This replica does not lead the jobs now.")
-            if self._renewal is None or self._renewal.done():
-                self._renewal = asyncio.ensure_future(self._renew())
             try:
-                await asyncio.shield(self._renewal)
+                await asyncio.shield(self._renewal_in_flight())
             except LeaderUnavailableError:
                 raise
-            except Exception as error:  # the database away: ask again shortly
+            except Exception as error:  # the database away
+                if not wait_for_the_database:
+                    raise
                 logger.warning("the lead could not be confirmed: %s", error)
                 await asyncio.sleep(_CONFIRM_RETRY_S)
+
+    def _renewal_in_flight(self) -> asyncio.Future[None]:
+        """The renewal under way, or a new one: the confirmations and the background loop
+        share it, so a lost lead is found (and stepped down from) once."""
+        if self._renewal is None or self._renewal.done():
+            self._renewal = asyncio.ensure_future(self._renew())
+        return self._renewal
 
     async def leader_url(self) -> str | None:
         """Where to send a job write: None to handle it here (this replica leads and is ready);
@@ -164,7 +173,7 @@ class Leadership:
                 raise LeaderUnavailableError(
                     "This replica is taking the jobs over from the replica before it."
                 )
-            await self.confirmed()
+            await self.confirmed(wait_for_the_database=False)
             return None
         lease = await self._leases.current(SERVER_LEASE)
         if lease is None or lease.expired or lease.holder == self._leases.replica_id:
@@ -233,7 +242,7 @@ class Leadership:
                 await asyncio.shield(self._stepping_down)
             try:
                 if self._leading:
-                    await self._renew()
+                    await asyncio.shield(self._renewal_in_flight())
                 elif await self._try_to_lead():
                     # Beside the renewals: a recovery of many jobs may outlast the lease.
                     self._electing = asyncio.create_task(
