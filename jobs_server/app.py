@@ -175,8 +175,14 @@ async def _dashboard_registration(app: web.Application) -> AsyncIterator[None]:
     finally:
         cluster = app[CLUSTER_AT_SHUTDOWN_KEY]
         # A cluster that is gone keeps it: the next server replaces an address where nothing
-        # answers.
-        if registration is not None and await cluster.answers():
+        # answers. An embedded Ray ends with this server, its registration with it: not asked
+        # (its GCS may be ending already, SIGTERM to the process group: a call would wait out
+        # the GCS's timeout, about 6 s of a shutdown).
+        if (
+            registration is not None
+            and not cluster.ends_with_the_server
+            and await cluster.answers()
+        ):
             with contextlib.suppress(ClusterUnavailableError):
                 await cluster.call("removing this server's registration", registration.unregister)
 
@@ -270,7 +276,9 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     app[CLUSTER_HEALTH_KEY] = ClusterHealth(
         connection.gcs_address, cluster_info.session_name, settings.cluster_lost_exit_s
     )
-    app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(app[CLUSTER_HEALTH_KEY])
+    app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(
+        app[CLUSTER_HEALTH_KEY], ends_with_the_server=connection.embedded
+    )
     try:
         await manager.start()
     except BaseException:  # the database lost before the lead was taken over: leave Ray

@@ -19,6 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from jobs_server.app import create_app
 from jobs_server.manager.archive.leadership import FORWARDED_BY_HEADER
+from jobs_server.serving.leader_forwarding import LEADER_CHECK_INTERVAL_S
 from jobs_server.settings import Settings
 from tests.support.fakes import FakeJobManager
 from tests.support.processes import free_port
@@ -28,14 +29,18 @@ KEY = "forwarding-test-key-0123456789"
 
 
 class FollowerManager(FakeJobManager):
-    """A follower's manager: every job write goes to `leader`."""
+    """A follower's manager: every job write goes to `leader`, which leads while `leads`."""
 
     def __init__(self, log_dir: Path, leader: str) -> None:
         super().__init__(log_dir, max_package_bytes=1024)
         self.leader = leader
+        self.leads = True
 
     async def leader_url(self) -> str | None:
         return self.leader
+
+    async def leads_at(self, url: str) -> bool:
+        return self.leads and url == self.leader
 
 
 def _settings(tmp_path: Path, name: str) -> Settings:
@@ -233,3 +238,50 @@ async def test_a_leader_that_drops_its_answer_is_a_503_that_says_it_may_have_bee
         error = (await answer.json())["error"]
         assert error["code"] == "leader_unavailable"
         assert "may have been done" in error["message"]
+
+
+async def _held_leader(
+    answer_after_s: float | None,
+) -> tuple[web.Application, asyncio.Event]:
+    """A leader that takes a write and answers after `answer_after_s` (None: never, as one
+    frozen by SIGSTOP, whose socket still accepts)."""
+    taken = asyncio.Event()
+
+    async def hold(request: web.Request) -> web.Response:
+        await request.read()
+        taken.set()
+        await asyncio.sleep(3600 if answer_after_s is None else answer_after_s)
+        return web.json_response({"submission_id": "slow"})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", hold)
+    return app, taken
+
+
+async def test_a_write_held_by_a_leader_that_lost_the_lead_is_answered_503_in_doubt(
+    aiohttp_client: Callable[..., Awaitable[Client]], tmp_path: Path
+) -> None:
+    frozen, taken = await _held_leader(None)
+    async with TestServer(frozen, host="127.0.0.1") as server:
+        follower, manager = await _follower(aiohttp_client, tmp_path, str(server.make_url("/")))
+        answering = asyncio.ensure_future(
+            follower.post("/api/jobs/", json={"entrypoint": "true"}, headers=AUTH)
+        )
+        await taken.wait()
+        manager.leads = False  # another replica took the lease of the frozen one
+        answer = await asyncio.wait_for(answering, LEADER_CHECK_INTERVAL_S * 5)
+        assert answer.status == 503
+        error = (await answer.json())["error"]
+        assert error["code"] == "leader_unavailable"
+        assert "may have been done" in error["message"]
+
+
+async def test_a_slow_answer_of_a_leader_that_still_leads_is_waited_for(
+    aiohttp_client: Callable[..., Awaitable[Client]], tmp_path: Path
+) -> None:
+    slow, _ = await _held_leader(LEADER_CHECK_INTERVAL_S * 2.5)
+    async with TestServer(slow, host="127.0.0.1") as server:
+        follower, _ = await _follower(aiohttp_client, tmp_path, str(server.make_url("/")))
+        answer = await follower.post("/api/jobs/", json={"entrypoint": "true"}, headers=AUTH)
+        assert answer.status == 200
+        assert await answer.json() == {"submission_id": "slow"}

@@ -41,6 +41,11 @@ class JobManagerApi(Protocol):
         leads), else the leading replica's URL; LeaderUnavailableError while none leads."""
         ...
 
+    async def leads_at(self, url: str) -> bool:
+        """Whether the replica at `url` still leads (its lease live, by the database's clock):
+        a follower waiting for that replica's answer to a forwarded write asks it."""
+        ...
+
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job (PENDING) of `tenant` and start it, or queue it over a cap;
         DuplicateJobError if its id is taken (by any tenant), QueueFullError (nothing recorded)

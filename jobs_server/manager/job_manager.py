@@ -263,6 +263,13 @@ class JobManager:
             return None
         return await self._leadership.leader_url()
 
+    async def leads_at(self, url: str) -> bool:
+        """Whether the replica at `url` still leads: its lease live, by the database's clock
+        (True on SQLite: one server)."""
+        if self._leadership is None:
+            return True
+        return await self._leadership.leads_at(url)
+
     async def _confirm_lead(self) -> None:
         """Return once this replica surely leads (at once on SQLite, or while its lease is
         fresh); LeaderUnavailableError if it does not lead, or is still taking the work over."""

@@ -17,8 +17,10 @@ write was on its way) answers 503 instead of forwarding it again.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -37,6 +39,9 @@ WRITE_ROUTES = frozenset({"submit_job", "stop_job", "delete_job"})
 # answers 503 and the client retries, by then perhaps to a new leader). Its answer may take
 # long (a submit whose supervisor needs a runtime env): no bound on that but the client's.
 CONNECT_TIMEOUT_S = 5.0
+# While a forwarded write waits for the leader's answer, how often the follower checks that the
+# leader still leads.
+LEADER_CHECK_INTERVAL_S = 1.0
 # Headers of this hop only (RFC 9110 7.6.1), and the client's address as a proxy tells it.
 _NOT_FORWARDED = frozenset(
     {
@@ -102,33 +107,72 @@ async def leader_forwarding_middleware(
     return await _forward(request, leader_url)
 
 
+@dataclass(frozen=True)
+class _Answer:
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
 async def _forward(request: web.Request, leader_url: str) -> web.Response:
     body = await request.read()
     headers = {
         name: value for name, value in request.headers.items() if name.lower() not in _NOT_FORWARDED
     }
     headers[FORWARDED_BY_HEADER] = "1"
-    session = request.app[FORWARDING_SESSION_KEY]
+    sending = asyncio.ensure_future(_send(request, leader_url, headers, body))
     try:
-        async with session.request(
-            request.method,
-            leader_url + request.rel_url.raw_path_qs,
-            data=body,
-            headers=headers,
-            allow_redirects=False,
-        ) as answer:
-            content = await answer.read()
-            audit(request, "forward", request.path, leader=leader_url, status=answer.status)
-            response = web.Response(body=content, status=answer.status)
-            for name, value in answer.headers.items():
-                if name.lower() not in _NOT_ANSWERED:
-                    response.headers.add(name, value)
-            return response
+        answer = await _while_it_leads(request, leader_url, sending)
     except aiohttp.ClientConnectorError as error:
         audit(request, "forward", request.path, leader=leader_url, status="unreachable")
         logger.warning("the leader at %s does not answer: %s", leader_url, error)
         raise LeaderUnavailableError(_NOT_SENT_MESSAGE.format(url=leader_url)) from error
-    except (TimeoutError, aiohttp.ClientError) as error:
+    except (TimeoutError, aiohttp.ClientError, _LeadChanged) as error:
         audit(request, "forward", request.path, leader=leader_url, status="answer lost")
         logger.warning("the leader at %s took a write and did not answer: %s", leader_url, error)
         raise LeaderUnavailableError(_IN_DOUBT_MESSAGE.format(url=leader_url)) from error
+    finally:
+        sending.cancel()
+    audit(request, "forward", request.path, leader=leader_url, status=answer.status)
+    response = web.Response(body=answer.body, status=answer.status)
+    for name, value in answer.headers:
+        if name.lower() not in _NOT_ANSWERED:
+            response.headers.add(name, value)
+    return response
+
+
+async def _send(
+    request: web.Request, leader_url: str, headers: dict[str, str], body: bytes
+) -> _Answer:
+    async with request.app[FORWARDING_SESSION_KEY].request(
+        request.method,
+        leader_url + request.rel_url.raw_path_qs,
+        data=body,
+        headers=headers,
+        allow_redirects=False,
+    ) as answer:
+        return _Answer(answer.status, list(answer.headers.items()), await answer.read())
+
+
+class _LeadChanged(Exception):
+    """The replica a write was forwarded to no longer leads, and has not answered."""
+
+
+async def _while_it_leads(
+    request: web.Request, leader_url: str, sending: asyncio.Future[_Answer]
+) -> _Answer:
+    """The leader's answer, however long it takes while it still leads. A leader that stops
+    leading meanwhile (frozen: its socket still accepts, and holds the write until it wakes;
+    or dead behind a connection nobody closes) is given up on once another replica holds the
+    lease: the client hears 503 then (the write may have been done), not when it wakes."""
+    manager = request.app[JOB_MANAGER_KEY]
+    while True:
+        done, _ = await asyncio.wait({sending}, timeout=LEADER_CHECK_INTERVAL_S)
+        if done:
+            return sending.result()
+        try:
+            still_leads = await manager.leads_at(leader_url)
+        except Exception:  # the database away: it cannot say; the leader may still answer
+            continue
+        if not still_leads:
+            raise _LeadChanged(f"{leader_url} no longer leads the jobs")

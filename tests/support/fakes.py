@@ -243,6 +243,10 @@ class FakeJobManager:
         """One server, the leader: every write is handled here."""
         return None
 
+    async def leads_at(self, url: str) -> bool:
+        """One server: it leads."""
+        return True
+
     async def replica_state(self) -> ReplicaState:
         """A replica on the default store (its records in memory: always there), no leases;
         it owns its jobs that have not ended."""

@@ -185,6 +185,11 @@ class Leadership:
             )
         return lease.holder_url
 
+    async def leads_at(self, url: str) -> bool:
+        """Whether the replica that advertises `url` holds the lead now (a live lease)."""
+        lease = await self._leases.current(SERVER_LEASE)
+        return lease is not None and not lease.expired and lease.holder_url == url
+
     def _sure(self) -> bool:
         return self._leading and time.monotonic() < self._sure_until_s
 

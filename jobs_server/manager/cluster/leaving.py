@@ -33,10 +33,14 @@ _T = TypeVar("_T")
 class ClusterAtShutdown:
     """Whether the cluster still answers, as the shutdown found it (one per server)."""
 
-    def __init__(self, health: ClusterHealth | None = None) -> None:
+    def __init__(
+        self, health: ClusterHealth | None = None, *, ends_with_the_server: bool = False
+    ) -> None:
         # The cluster watch's view, and its probe: a GCS it found away is not asked again.
         self._health = health
         self._gone_reason: str | None = None
+        # An embedded Ray: it stops with the server, and what it holds with it.
+        self.ends_with_the_server = ends_with_the_server
 
     @property
     def gone(self) -> bool:
