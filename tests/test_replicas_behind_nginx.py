@@ -46,7 +46,7 @@ from tests.support.replicas import (
     is_leader_unavailable,
 )
 
-pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow, pytest.mark.replicas]
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 DOCS_SECTION = "### Several replicas"

@@ -44,7 +44,7 @@ from tests.support.replicas import (
     wait_for_status,
 )
 
-pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.postgres, pytest.mark.ray, pytest.mark.slow, pytest.mark.replicas]
 
 logger = logging.getLogger(__name__)
 
