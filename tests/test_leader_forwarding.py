@@ -43,7 +43,7 @@ class FollowerManager(FakeJobManager):
         return self.leads and url == self.leader
 
 
-def _settings(tmp_path: Path, name: str) -> Settings:
+def _settings(tmp_path: Path, name: str, **options: Any) -> Settings:
     token_file = tmp_path / "token"
     token_file.write_text(KEY)
     token_file.chmod(0o600)
@@ -53,6 +53,7 @@ def _settings(tmp_path: Path, name: str) -> Settings:
         log_dir=tmp_path / name / "logs",
         namespace="fake",
         auth_token_file=token_file,
+        **options,
     )
 
 
@@ -174,7 +175,10 @@ async def test_the_leader_gets_the_client_s_request_without_the_hop_s_headers(
     assert headers["X-Custom"] == "kept"
     assert headers[FORWARDED_BY_HEADER] == "1"
     assert headers["Host"] == follower.make_url("/").raw_authority  # the client's, checked again
-    assert "X-Forwarded-For" not in headers
+    # The client's X-Forwarded-* are not passed on; the follower's own view is.
+    assert headers["X-Forwarded-For"] == "127.0.0.1"
+    assert headers["X-Forwarded-Proto"] == "http"
+    assert headers["X-Forwarded-Host"] == headers["Host"]
     assert "Forwarded" not in headers
 
 
@@ -285,3 +289,43 @@ async def test_a_slow_answer_of_a_leader_that_still_leads_is_waited_for(
         answer = await follower.post("/api/jobs/", json={"entrypoint": "true"}, headers=AUTH)
         assert answer.status == 200
         assert await answer.json() == {"submission_id": "slow"}
+
+
+async def test_a_page_behind_a_tls_proxy_writes_through_a_follower(
+    aiohttp_client: Callable[..., Awaitable[Client]], tmp_path: Path
+) -> None:
+    """Behind a TLS-terminating proxy (trusted by both replicas, as the replicas trust each
+    other), the page's origin is `https://jobs.example`: the follower checks it as the proxy
+    says, and so must the leader, to which the follower says what it resolved. Before, the
+    leader saw plain `http` and refused the page's submit as cross-site (403)."""
+    behind_proxy = {"forwarded_allow_ips": ["127.0.0.1"], "allowed_hosts": ["jobs.example"]}
+    leader_settings = _settings(tmp_path, "leader", **behind_proxy)
+    leader_manager = FakeJobManager(leader_settings.log_dir, max_package_bytes=1024)
+    leader_client = await aiohttp_client(
+        create_app(leader_settings, backend=leader_manager.backend())
+    )
+    follower_settings = _settings(tmp_path, "follower", **behind_proxy)
+    follower_manager = FollowerManager(
+        follower_settings.log_dir, str(leader_client.make_url("/")).rstrip("/")
+    )
+    follower = await aiohttp_client(
+        create_app(follower_settings, backend=follower_manager.backend())
+    )
+    page = {
+        **AUTH,
+        "Origin": "https://jobs.example",
+        "Sec-Fetch-Site": "same-origin",
+        "X-Forwarded-Proto": "https",
+        "X-Forwarded-Host": "jobs.example",
+        "X-Forwarded-For": "198.51.100.7",
+    }
+    answer = await follower.post(
+        "/api/jobs/", json={"entrypoint": "true", "submission_id": "from-the-page"}, headers=page
+    )
+    assert answer.status == 200, await answer.text()
+    assert "from-the-page" in leader_manager._records
+    # A page on another site is still refused, by the follower and by the leader.
+    other_site = {**page, "Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}
+    refused = await follower.post("/api/jobs/", json={"entrypoint": "true"}, headers=other_site)
+    assert refused.status == 403
+    assert (await refused.json())["error"]["code"] == "cross_site_request"

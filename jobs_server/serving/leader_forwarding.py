@@ -7,10 +7,14 @@ refused here never reaches the leader), then sends it on as it came, with the cl
 answers with the leader's answer. The leader checks it again, with the same settings and the
 same tokens file as every replica.
 
-Headers that describe this hop (Connection, Content-Length, ...) are not forwarded, nor
-`X-Forwarded-*`/`Forwarded`, which the leader would read as the follower's word about the
-client: the leader sees the follower as the peer, so the follower writes the audit line that
-names the client (`forward`, with the leader's answer). A forwarded write carries
+Headers that describe this hop (Connection, Content-Length, ...) are not forwarded, nor the
+client's `X-Forwarded-*`/`Forwarded`, which the leader would read as the follower's word. The
+follower says instead what it resolved (`X-Forwarded-Proto`/`-Host`/`-For`: the scheme, name
+and client it checked, as a trusted proxy in front told it), and the leader believes it only if
+the follower is one of its `--forwarded-allow-ips`: behind a TLS-terminating proxy, the page's
+`https://` origin is then checked the same on both. Otherwise the leader sees the follower as
+the peer; the follower writes the audit line that names the client (`forward`, with the
+leader's answer). A forwarded write carries
 FORWARDED_BY_HEADER, so a replica that gets one and does not lead (it lost the lead while the
 write was on its way) answers 503 instead of forwarding it again.
 """
@@ -120,6 +124,11 @@ async def _forward(request: web.Request, leader_url: str) -> web.Response:
         name: value for name, value in request.headers.items() if name.lower() not in _NOT_FORWARDED
     }
     headers[FORWARDED_BY_HEADER] = "1"
+    # As this follower resolved them (request_origin_middleware), for a leader that trusts it.
+    headers["X-Forwarded-Proto"] = request.scheme
+    headers["X-Forwarded-Host"] = request.host
+    if request.remote:
+        headers["X-Forwarded-For"] = request.remote
     sending = asyncio.ensure_future(_send(request, leader_url, headers, body))
     try:
         answer = await _while_it_leads(request, leader_url, sending)
