@@ -125,7 +125,7 @@ class Leadership:
 
     async def close(self) -> None:
         """Stop renewing and give the lead up, so that a follower takes it at its next try."""
-        for task in (self._running, self._electing, self._stepping_down):
+        for task in (self._running, self._electing, self._stepping_down, self._renewal):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
