@@ -201,7 +201,10 @@ async def test_a_job_whose_start_the_dead_fork_server_never_reported_never_runs(
 # A supervisor that learns of the starts this late (a busy one: CI saw a second).
 LATE_REPORT_S = 2.0
 # Stopped at once, it writes nothing; stopped once it runs, "a" at most: "b" means it ran on.
-SLEEPY = "echo a; sleep 1; echo b"
+# Long enough that only the stop can end it: with `sleep 1`, a loaded machine (a fresh-clone run
+# of b8c0877) took more than the second between "a" in the log and the stop, the command ended
+# on its own (exit 0) and the test failed as if the stop had not reached it.
+SLEEPY = "echo a; sleep 30; echo b"
 
 
 @pytest.mark.parametrize("containment", CONTAINMENTS)
