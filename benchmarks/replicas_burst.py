@@ -20,13 +20,11 @@ import itertools
 import logging
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
@@ -36,8 +34,7 @@ from benchmarks.processes import kill_survivors, ray_head, set_up_benchmark_proc
 from benchmarks.queue import slot_holding_jobs, wait_until_all_ended
 from benchmarks.stats import percentile
 from tests.support.postgres import running_postgres
-from tests.support.processes import free_port, stop_leader_then_group
-from tests.support.servers import start_jobs_server, wait_for_server
+from tests.support.replicas import Replica, ReplicaGroup
 
 logger = logging.getLogger("benchmarks.replicas_burst")
 
@@ -49,16 +46,9 @@ MAX_RUNNING = 50
 WARM_UP_JOBS = 20
 SAMPLE_INTERVAL_S = 0.2
 BURST_TIMEOUT_S = 900.0
-SERVER_READY_TIMEOUT_S = 120.0
 # Targets of issue 34 for the replicas' burst.
 POST_P99_TARGET_S = 0.100
 COMPLETED_PER_S_TARGET = 300.0
-
-
-@dataclass(frozen=True)
-class Replica:
-    url: str
-    pid: int
 
 
 @contextlib.contextmanager
@@ -67,31 +57,23 @@ def servers(
 ) -> Iterator[list[Replica]]:
     """`count` servers on one namespace and log dir (each its own state dir), on `database_url`
     (None: SQLite, one server), the queue's cap set on each; the leader first."""
-    namespace = f"bench_{uuid.uuid4().hex[:12]}"
-    started = []
+    group = ReplicaGroup(
+        work_dir,
+        ray_address,
+        database_url,
+        count,
+        extra_args=[
+            *("--max-running-jobs", str(MAX_RUNNING)),
+            *("--max-queued-jobs", str(DEFAULT_JOBS + WARM_UP_JOBS)),
+        ],
+        namespace=f"bench_{uuid.uuid4().hex[:12]}",
+    )
     try:
-        for index in range(count):
-            port = free_port()
-            args = [
-                *("--port", str(port)),
-                *("--ray-address", ray_address),
-                *("--namespace", namespace),
-                *("--state-dir", str(work_dir / f"state-{index}")),
-                *("--log-dir", str(work_dir / "logs")),
-                *("--max-running-jobs", str(MAX_RUNNING)),
-                *("--max-queued-jobs", str(DEFAULT_JOBS + WARM_UP_JOBS)),
-            ]
-            if database_url is not None:
-                args += ["--database-url", database_url]
-            log_path = work_dir / f"server-{index}.log"
-            process = start_jobs_server(args, log_path)
-            started.append((f"http://127.0.0.1:{port}", process, log_path))
-            # The first leads (it takes the lease before it answers); the others then follow.
-            wait_for_server(started[-1][0], process, log_path, timeout_s=SERVER_READY_TIMEOUT_S)
-        yield [Replica(url, process.pid) for url, process, _ in started]
+        group.start()
+        leader = group.leader() if count > 1 else group.replicas[0]
+        yield [leader, *(replica for replica in group.replicas if replica is not leader)]
     finally:
-        for _, process, _ in started:
-            stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
+        group.stop()
 
 
 async def submit_spread(

@@ -54,7 +54,7 @@ class Replica:
                 *("--host", "127.0.0.1"),
                 *("--port", str(self.port)),
                 *("--ray-address", group.ray_address),
-                *("--database-url", group.database_url),
+                *(() if group.database_url is None else ("--database-url", group.database_url)),
                 *("--namespace", group.namespace),
                 *("--state-dir", str(self.workdir / "state")),
                 *("--log-dir", str(group.log_dir)),
@@ -130,7 +130,8 @@ class ReplicaGroup:
 
     workdir: Path
     ray_address: str
-    database_url: str
+    database_url: str | None
+    """None: SQLite in the state dir, for one server alone (a baseline to compare with)."""
     count: int
     extra_args: Sequence[str] = ()
     env: dict[str, str] | None = None
