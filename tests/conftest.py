@@ -413,6 +413,17 @@ def archive_factory(request: pytest.FixtureRequest, tmp_path: Path) -> ArchiveFa
 
 
 @pytest.fixture
+async def two_archives(archive_factory: ArchiveFactory) -> AsyncIterator[list[JobArchive]]:
+    """Two replicas' archives of one history, open (on each store in turn); closed at the end."""
+    archives = [archive_factory(), archive_factory()]
+    for archive in archives:
+        await archive.open()
+    yield archives
+    for archive in archives:
+        await archive.close()
+
+
+@pytest.fixture
 async def archive(archive_factory: ArchiveFactory) -> AsyncIterator[JobArchive]:
     """An open archive (the job history, on each store in turn); closed at the end."""
     archive = archive_factory()

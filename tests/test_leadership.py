@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
@@ -17,7 +17,6 @@ from jobs_server.errors import LeaderUnavailableError
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.leadership import SERVER_LEASE, Leadership
 from jobs_server.manager.archive.leases import LEASE_RENEW_INTERVAL_S, ReplicaLeases
-from tests.support.postgres import ArchiveFactory
 
 DEADLINE_S = 10.0
 # A lease that expires long before its holder's next renewal (every LEASE_RENEW_INTERVAL_S):
@@ -41,16 +40,6 @@ class Work:
 
     async def deposed(self) -> None:
         self.events.append("deposed")
-
-
-@pytest.fixture
-async def two_archives(archive_factory: ArchiveFactory) -> AsyncIterator[list[JobArchive]]:
-    archives = [archive_factory(), archive_factory()]
-    for archive in archives:
-        await archive.open()
-    yield archives
-    for archive in archives:
-        await archive.close()
 
 
 async def eventually(condition: Callable[[], bool], what: str) -> None:

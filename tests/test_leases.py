@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,7 +18,6 @@ from jobs_server.manager.archive.leases import (
     ReplicaLeases,
 )
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
-from tests.support.postgres import ArchiveFactory
 
 WATCH = "watch:test-namespace"
 LONG_TTL_S = 30.0
@@ -32,17 +30,6 @@ def record(submission_id: str) -> JobRecord:
     return JobRecord(
         spec=JobSpec(entrypoint="true", submission_id=submission_id), run_id=new_run_id()
     )
-
-
-@pytest.fixture
-async def two_archives(archive_factory: ArchiveFactory) -> AsyncIterator[list[JobArchive]]:
-    """Two replicas' archives of one history, open."""
-    archives = [archive_factory(), archive_factory()]
-    for archive in archives:
-        await archive.open()
-    yield archives
-    for archive in archives:
-        await archive.close()
 
 
 async def wait_until_expired(leases: ReplicaLeases, name: str) -> None:
