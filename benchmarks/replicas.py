@@ -38,7 +38,6 @@ import collections
 import contextlib
 import datetime
 import importlib.metadata
-import itertools
 import logging
 import os
 import shlex
@@ -46,7 +45,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -63,7 +61,13 @@ from benchmarks.report import Better, Figure, Metric, Results, Server, Unit, mar
 from benchmarks.stats import percentile
 from tests.support.postgres import PostgresServer, running_postgres
 from tests.support.processes import wait_until
-from tests.support.replicas import Replica, ReplicaGroup, is_leader_unavailable, marker_lines
+from tests.support.replicas import (
+    Replica,
+    ReplicaGroup,
+    RunningSampler,
+    is_leader_unavailable,
+    marker_lines,
+)
 
 logger = logging.getLogger("benchmarks.replicas")
 
@@ -284,35 +288,17 @@ LATENCY_METRICS = [
 ]
 
 
-class Sampler:
-    """A thread that lists the RUNNING jobs every SAMPLE_INTERVAL_S, each time on the next
-    replica it may use: the most at once, when each job was first seen RUNNING, and when the
-    marker file first grew after `mark()` (a job's end, seen by its own write)."""
+class Sampler(RunningSampler):
+    """The RUNNING jobs every SAMPLE_INTERVAL_S, each time on the next replica it may use: the
+    most at once, when each job was first seen RUNNING, and when the marker file first grew
+    after `mark()` (a job's end, seen by its own write)."""
 
     def __init__(self, replicas: Sequence[Replica], marker: Path) -> None:
-        self._replicas = list(replicas)
+        super().__init__(replicas, interval_s=SAMPLE_INTERVAL_S)
         self._marker = marker
-        self._lock = threading.Lock()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="running-sampler", daemon=True)
-        self.counts: list[int] = []
-        self.errors: list[str] = []
         self.first_running_s: dict[str, float] = {}
         self._marker_size_at_mark: int | None = None
         self.marker_grew_s: float | None = None
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join(timeout=REQUEST_TIMEOUT_S + 5)
-
-    def use(self, replicas: Sequence[Replica]) -> None:
-        """Sample on these from now on, once the sample in flight has its answer."""
-        with self._lock:
-            self._replicas = list(replicas)
 
     def mark(self) -> None:
         """From now on, note when the marker file first grows."""
@@ -320,32 +306,14 @@ class Sampler:
             self._marker_size_at_mark = marker_size(self._marker)
             self.marker_grew_s = None
 
-    def _run(self) -> None:
-        for turn in itertools.count():
-            if self._done.is_set():
-                return
-            next_s = time.monotonic() + SAMPLE_INTERVAL_S
-            with self._lock:
-                self._sample(self._replicas[turn % len(self._replicas)])
-                grown = self._marker_size_at_mark is not None and self.marker_grew_s is None
-                if grown and marker_size(self._marker) > (self._marker_size_at_mark or 0):
-                    self.marker_grew_s = time.monotonic()
-            self._done.wait(max(0.0, next_s - time.monotonic()))
-
-    def _sample(self, replica: Replica) -> None:
-        try:
-            response = request(replica, "GET", "/api/jobs/", params={"status": "RUNNING"})
-        except requests.RequestException as error:
-            self.errors.append(f"{replica}: {error}")
-            return
-        seen_s = time.monotonic()
-        if response.status_code != 200:
-            self.errors.append(f"{replica}: {response.status_code} {response.text[:200]}")
-            return
-        jobs = response.json()
-        self.counts.append(len(jobs))
+    def _observe(self, jobs: list[dict[str, Any]], seen_s: float) -> None:
         for job in jobs:
             self.first_running_s.setdefault(str(job["submission_id"]), seen_s)
+
+    def _after_sample(self) -> None:
+        grown = self._marker_size_at_mark is not None and self.marker_grew_s is None
+        if grown and marker_size(self._marker) > (self._marker_size_at_mark or 0):
+            self.marker_grew_s = time.monotonic()
 
 
 def marker_size(marker: Path) -> int:

@@ -123,6 +123,7 @@ def test_every_replica_is_healthy_and_exactly_one_leads(group: ReplicaGroup) -> 
         if replica is not leader:
             assert SERVER_LEASE not in replica["leases_held"], replica
         assert replica["database"] == {"backend": "postgresql", "connected": True}
+    assert group.database_url is not None
     assert server_lease_holder(group.database_url) == leader["id"]
 
 

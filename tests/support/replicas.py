@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import requests
 
@@ -257,18 +257,20 @@ def wait_for_status(
 
 
 class RunningSampler:
-    """A thread that lists the RUNNING jobs again and again, each time on the next replica it
-    may use, and keeps every count: whether a cap held at every sample."""
+    """A thread that lists the RUNNING jobs every `interval_s`, each time on the next replica
+    it may use, and keeps every count: whether a cap held at every sample. A subclass may
+    look at each sample's jobs (`_observe`) and do more after each (`_after_sample`)."""
 
-    def __init__(self, replicas: Sequence[Replica]) -> None:
+    def __init__(self, replicas: Sequence[Replica], interval_s: float = 0.05) -> None:
         self._replicas = list(replicas)
+        self._interval_s = interval_s
         self._lock = threading.Lock()
         self.counts: list[int] = []
         self.errors: list[str] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="running-sampler", daemon=True)
 
-    def __enter__(self) -> RunningSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -286,11 +288,13 @@ class RunningSampler:
         for turn in itertools.count():
             if self._done.is_set():
                 return
+            next_s = time.monotonic() + self._interval_s
             # Held through the request: `use` returns once no sample is in flight on a replica
             # it drops.
             with self._lock:
                 self._sample(self._replicas[turn % len(self._replicas)])
-            self._done.wait(0.05)
+                self._after_sample()
+            self._done.wait(max(0.0, next_s - time.monotonic()))
 
     def _sample(self, replica: Replica) -> None:
         try:
@@ -298,10 +302,19 @@ class RunningSampler:
         except requests.RequestException as error:
             self.errors.append(f"{replica}: {error}")
             return
-        if response.status_code == 200:
-            self.counts.append(len(response.json()))
-        else:
-            self.errors.append(f"{replica}: {response.status_code} {response.text}")
+        seen_s = time.monotonic()
+        if response.status_code != 200:
+            self.errors.append(f"{replica}: {response.status_code} {response.text[:200]}")
+            return
+        jobs = response.json()
+        self.counts.append(len(jobs))
+        self._observe(jobs, seen_s)
+
+    def _observe(self, jobs: list[dict[str, Any]], seen_s: float) -> None:
+        """A sample's RUNNING jobs, listed at `seen_s` (time.monotonic)."""
+
+    def _after_sample(self) -> None:
+        """After each sample, the lock held."""
 
     @property
     def most(self) -> int:
