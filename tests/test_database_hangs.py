@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import time
-import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,11 +21,14 @@ import pytest
 import requests
 
 from jobs_server.manager.archive.postgres import DATABASE_TIMEOUT_S, connection_options
-from tests.support.database_outage import archived_status, assert_database_unavailable
+from tests.support.database_outage import (
+    archived_status,
+    assert_database_unavailable,
+    server_on,
+    submit_kept_and_during,
+)
 from tests.support.postgres import PostgresServer, running_postgres
-from tests.support.processes import free_port, stop_leader_then_group, wait_until
-from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.support.servers import start_jobs_server, wait_for_server
+from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -135,39 +137,9 @@ def test_a_hung_database_answers_503_within_a_bound_and_the_server_recovers(
     tmp_path: Path, ray_connection: str, own_postgres: PostgresServer
 ) -> None:
     database_url = own_postgres.create_database()
-    namespace = f"db_hangs_{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    process = start_jobs_server(
-        [
-            *("--port", str(port)),
-            *("--ray-address", ray_connection),
-            *("--state-dir", str(tmp_path / "state")),
-            *("--database-url", database_url),
-            *("--namespace", namespace),
-        ],
-        log_path,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_server(url, process, log_path, timeout_s=120)
-        kept = requests.post(
-            f"{url}/api/jobs/",
-            json={"entrypoint": "echo kept", "submission_id": "kept"},
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        assert kept.status_code == 200, kept.text
-        wait_until(
-            lambda: archived_status(database_url, "kept") == "SUCCEEDED",
-            DEADLINE_S,
-            "the first job to succeed",
-        )
-        during = requests.post(
-            f"{url}/api/jobs/",
-            json={"entrypoint": "sleep 2; echo ended", "submission_id": "during"},
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        assert during.status_code == 200, during.text
+    with server_on(database_url, ray_connection, tmp_path, "db_hangs") as server:
+        url, process, log_path = server.url, server.process, server.log_path
+        submit_kept_and_during(url, database_url)
 
         frozen_ids = [f"frozen-{index}" for index in range(SUBMITS_WHILE_FROZEN)]
         requests_while_frozen = [
@@ -254,9 +226,6 @@ def test_a_hung_database_answers_503_within_a_bound_and_the_server_recovers(
         deleted = requests.delete(f"{url}/api/jobs/kept", timeout=REQUEST_TIMEOUT_S)
         assert deleted.status_code == 200, deleted.text
         assert process.poll() is None
-    finally:
-        stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
-        kill_actors_in_namespace(namespace)
     server_log = log_path.read_text()
     assert "unexpected error handling" not in server_log
     assert "Traceback" not in server_log

@@ -8,10 +8,8 @@ with its true end. And a full disk on PostgreSQL is the disk guard's 507, as SQL
 from __future__ import annotations
 
 import asyncio
-import signal
 import sqlite3
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,16 +20,19 @@ import requests
 from jobs_server.disk_guard import is_disk_full
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id
-from tests.support.database_outage import archived_status, assert_database_unavailable
+from tests.support.database_outage import (
+    archived_status,
+    assert_database_unavailable,
+    server_on,
+    submit_kept_and_during,
+)
 from tests.support.postgres import (
     PostgresServer,
     running_postgres,
     start_again,
     stop_immediately,
 )
-from tests.support.processes import free_port, stop_leader_then_group, wait_until
-from tests.support.ray_nodes import kill_actors_in_namespace
-from tests.support.servers import start_jobs_server, wait_for_server
+from tests.support.processes import wait_until
 
 pytestmark = pytest.mark.postgres
 
@@ -54,40 +55,9 @@ def test_a_database_outage_answers_503_and_the_server_recovers_on_its_own(
     tmp_path: Path, ray_connection: str, own_postgres: PostgresServer
 ) -> None:
     database_url = own_postgres.create_database()
-    namespace = f"db_outage_{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    log_path = tmp_path / "server.log"
-    process = start_jobs_server(
-        [
-            *("--port", str(port)),
-            *("--ray-address", ray_connection),
-            *("--state-dir", str(tmp_path / "state")),
-            *("--database-url", database_url),
-            *("--namespace", namespace),
-        ],
-        log_path,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for_server(url, process, log_path, timeout_s=120)
-        # A job that ended before the outage, and one that ends during it.
-        kept = requests.post(
-            f"{url}/api/jobs/",
-            json={"entrypoint": "echo kept", "submission_id": "kept"},
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        assert kept.status_code == 200, kept.text
-        wait_until(
-            lambda: archived_status(database_url, "kept") == "SUCCEEDED",
-            DEADLINE_S,
-            "the first job to succeed",
-        )
-        during = requests.post(
-            f"{url}/api/jobs/",
-            json={"entrypoint": "sleep 2; echo ended", "submission_id": "during"},
-            timeout=REQUEST_TIMEOUT_S,
-        )
-        assert during.status_code == 200, during.text
+    with server_on(database_url, ray_connection, tmp_path, "db_outage") as server:
+        url, process, log_path = server.url, server.process, server.log_path
+        submit_kept_and_during(url, database_url)
 
         stop_immediately(own_postgres)
         outage_started = time.monotonic()
@@ -156,9 +126,6 @@ def test_a_database_outage_answers_503_and_the_server_recovers_on_its_own(
         deleted = requests.delete(f"{url}/api/jobs/kept", timeout=REQUEST_TIMEOUT_S)
         assert deleted.status_code == 200, deleted.text
         assert process.poll() is None
-    finally:
-        stop_leader_then_group(process, signal.SIGTERM, timeout_s=60)
-        kill_actors_in_namespace(namespace)
     # No request ended in the 500 path (its line is "unexpected error handling ..."), and the
     # archive's retries say the database is away in a line each, without a traceback.
     server_log = log_path.read_text()
