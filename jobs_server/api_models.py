@@ -11,6 +11,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager import limits as stored_limits
 from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,
@@ -94,6 +95,16 @@ ResourceQuantity = Annotated[
 ]
 
 
+class JobLimitsRequest(stored_limits.JobLimits):
+    """Extension: `limits` in a submit (limits.py); unknown fields are a client's mistake."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class JobLimits(stored_limits.JobLimits):
+    """Extension: the limits a job runs under, in its details (every field, null for none)."""
+
+
 class SubmitJobRequest(BaseModel):
     """`POST /api/jobs/`: what Ray's `JobSubmissionClient.submit_job` sends."""
 
@@ -126,6 +137,9 @@ class SubmitJobRequest(BaseModel):
         ]
         | None
     ) = Field(None, description="Extension: the exit codes retried (null: any non-zero).")
+    limits: JobLimitsRequest | None = Field(
+        None, description="Extension: memory, CPU and processes the job may use (enforced)."
+    )
 
     @model_validator(mode="after")
     def _bounded_sizes(self) -> SubmitJobRequest:
@@ -199,6 +213,9 @@ class VersionResponse(BaseModel):
     session_name: str | None
     containment: Literal["pid_namespace", "cgroup", "marker"] = Field(
         description="Extension: what holds each job's processes together on the head node."
+    )
+    limits: Literal["cgroup2", "cgroup1", "none"] = Field(
+        description="Extension: how the head node enforces and measures jobs' limits."
     )
 
 
@@ -274,15 +291,14 @@ class JobAttemptDetails(BaseModel):
     end_time: int | None
     exit_code: int | None
     log_offset: int = Field(description="Byte offset in the job's log where its output begins.")
+    peak_memory_bytes: int | None = Field(description="Its memory's high-water mark.")
+    cpu_user_s: float | None
+    cpu_system_s: float | None
+    cpu_throttled_s: float | None = Field(description="Time its CPU limit held it back.")
 
     @classmethod
     def from_attempt(cls, attempt: JobAttempt) -> JobAttemptDetails:
-        return cls(
-            start_time=attempt.start_time,
-            end_time=attempt.end_time,
-            exit_code=attempt.exit_code,
-            log_offset=attempt.log_offset,
-        )
+        return cls(**{name: getattr(attempt, name) for name in cls.model_fields})
 
 
 class JobDetails(BaseModel):
@@ -313,6 +329,10 @@ class JobDetails(BaseModel):
     attempts: list[JobAttemptDetails]
     tenant: str = Field(description="Extension: the tenant whose key submitted the job.")
     priority: int
+    limits: JobLimits | None = Field(description="Extension: the limits it runs under.")
+    peak_memory_bytes: int | None = Field(description="Extension: its last attempt's.")
+    cpu_user_s: float | None = Field(description="Extension: its last attempt's.")
+    cpu_system_s: float | None = Field(description="Extension: its last attempt's.")
 
     @classmethod
     def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
@@ -339,6 +359,9 @@ class JobDetails(BaseModel):
         options = {name: getattr(spec, name) for name in shared_fields(type(spec), cls)}
         # Ray's: null when the job asked for none.
         options["entrypoint_resources"] = spec.entrypoint_resources or None
+        if spec.limits is not None:
+            options["limits"] = JobLimits(**spec.limits.model_dump())
+        last_attempt = record.attempts[-1] if record.attempts else None
         return cls(
             **options,
             # Ray's job_id names a Ray driver; a shell command may never start one.
@@ -354,6 +377,9 @@ class JobDetails(BaseModel):
             driver_exit_code=record.driver_exit_code,
             attempts=[JobAttemptDetails.from_attempt(attempt) for attempt in record.attempts],
             tenant=record.tenant,
+            peak_memory_bytes=last_attempt.peak_memory_bytes if last_attempt else None,
+            cpu_user_s=last_attempt.cpu_user_s if last_attempt else None,
+            cpu_system_s=last_attempt.cpu_system_s if last_attempt else None,
         )
 
 

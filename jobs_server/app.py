@@ -243,6 +243,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         shared_supervisors=settings.shared_supervisors,
         jobs_nice=settings.jobs_nice,
         jobs_user=None if settings.jobs_user is None else RunAs.of(settings.jobs_user),
+        jobs_cgroup=settings.jobs_cgroup,
         # Bounded like the rest of a graceful stop.
         stop_jobs_on_close_s=(
             max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)
@@ -263,7 +264,11 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         leadership=leadership,
     )
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
-    cluster_info = await read_cluster_info(connection.gcs_address)
+    cluster_info = await read_cluster_info(
+        connection.gcs_address,
+        jobs_cgroup=settings.jobs_cgroup,
+        head_jobs_memory_max_bytes=settings.head_jobs_memory_max_bytes,
+    )
     _use_backend(
         app,
         Backend(

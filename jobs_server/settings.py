@@ -154,6 +154,55 @@ class Settings(BaseSettings):
             " their share of the CPU (0: the jobs at the server's priority)."
         ),
     )
+    job_memory_max_bytes: int | None = Field(
+        None,
+        ge=1 << 20,
+        le=2**62,
+        description=(
+            "The memory limit of a job that gives none and whose tenant has no default (its"
+            " processes together, enforced by a cgroup: GET /api/version's `limits`). Default:"
+            " none."
+        ),
+    )
+    job_cpu_max_cores: float | None = Field(
+        None,
+        ge=0.01,
+        le=4096,
+        allow_inf_nan=False,
+        description="The CPU limit (cores) of a job that gives none, as --job-memory-max-bytes.",
+    )
+    job_max_processes: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 22,
+        description="The process limit of a job that gives none, as --job-memory-max-bytes.",
+    )
+    enforce_entrypoint_memory: bool = Field(
+        False,
+        description=(
+            "A job's entrypoint_memory (which Ray only reserves) is also its memory limit when"
+            " it gives none in `limits`."
+        ),
+    )
+    jobs_cgroup: str = Field(
+        "jobs-server",
+        pattern=r"^/?[A-Za-z0-9_.@-]+(/[A-Za-z0-9_.@-]+)*$",
+        description=(
+            "The cgroup each node's jobs run under (a cgroup per job attempt in it): relative to"
+            " the server's own cgroup (the supervisors use the same path on every node), or"
+            " absolute (a subtree delegated to the server's user)."
+        ),
+    )
+    head_jobs_memory_max_bytes: int | None = Field(
+        None,
+        ge=0,
+        le=2**62,
+        description=(
+            "The memory ceiling of all the jobs on the head node together, which keeps the"
+            " server, Ray's GCS and the shared supervisors out of the OOM killer's reach. Default:"
+            " the memory available when the server starts, less 1 GiB (README); 0: none."
+        ),
+    )
     max_running_jobs: int | None = Field(
         None,
         ge=1,

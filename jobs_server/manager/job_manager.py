@@ -63,6 +63,7 @@ from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_i
 from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.runtime_envs import validate_runtime_env
 from jobs_server.manager.stopping import JobStopper
+from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
 from jobs_server.manager.supervisors import SupervisorOccupancy, Supervisors
 from jobs_server.manager.tenancy import DEFAULT_TENANT, NO_LIMITS, RunAs, TenantLimits
 
@@ -110,6 +111,7 @@ class JobManager:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         jobs_nice: int = 0,
         jobs_user: RunAs | None = None,
+        jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
         leadership: Leadership | None = None,
     ) -> None:
         self._log_dir = log_dir
@@ -153,6 +155,7 @@ class JobManager:
             retry_backoff_s=retry_backoff_s,
             tenant_limits=tenant_limits,
             jobs_user=jobs_user,
+            jobs_cgroup=jobs_cgroup,
         )
         self._watchers = JobWatchers(
             store=self._store,

@@ -13,6 +13,7 @@ from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.run_batches import RunBatches
 from jobs_server.manager.runtime_envs import runtime_env_for_ray
+from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
 from jobs_server.manager.supervisor.job_run import SupervisedJob
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
 from jobs_server.manager.tenancy import NO_LIMITS, RunAs, TenantLimits
@@ -50,8 +51,10 @@ class Launcher:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
         jobs_user: RunAs | None = None,
+        jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
     ) -> None:
         self._supervisors = supervisors
+        self._jobs_cgroup = jobs_cgroup
         self._log_dir = log_dir
         self._stop_grace_s = stop_grace_s
         self._head_node_id = head_node_id
@@ -131,4 +134,5 @@ class Launcher:
                 0.0 if is_dedicated(record.supervisor_name or "") else SHARED_START_RECORD_DELAY_S
             ),
             run_as=self._tenant_limits(record.tenant).run_as or self._jobs_user,
+            jobs_cgroup=self._jobs_cgroup,
         ).model_dump(mode="json")

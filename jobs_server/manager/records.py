@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jobs_server.manager.limits import JobLimits
 from jobs_server.manager.tenancy import DEFAULT_TENANT
 
 # Parses a server's caching_record_parser keeps: a couple of thousand live jobs (~4 KiB each).
@@ -48,6 +49,8 @@ class JobErrorType(StrEnum):
     JOB_SUPERVISOR_ACTOR_DIED = "JOB_SUPERVISOR_ACTOR_DIED"
     JOB_ENTRYPOINT_COMMAND_START_ERROR = "JOB_ENTRYPOINT_COMMAND_START_ERROR"
     JOB_ENTRYPOINT_COMMAND_ERROR = "JOB_ENTRYPOINT_COMMAND_ERROR"
+    JOB_OUT_OF_MEMORY = "JOB_OUT_OF_MEMORY"
+    """Ours: the kernel killed the command's processes for its memory limit."""
 
 
 def new_run_id() -> str:
@@ -85,6 +88,9 @@ class JobSpec(BaseModel):
     """Failed attempts retried after the first (see manager/queue/retries.py)."""
     retry_on_exit_codes: tuple[int, ...] | None = None
     """The exit codes that are retried; None: any non-zero one."""
+    limits: JobLimits | None = None
+    """The limits each attempt runs under: the effective ones (limits.py), defaults filled in
+    at submit; None: none."""
 
     def needs_own_supervisor(self) -> bool:
         """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
@@ -118,6 +124,12 @@ class JobAttempt(BaseModel):
     end_time: int | None = None
     exit_code: int | None = None
     log_offset: int
+    # What it used (limits.py `ResourceUsage`), written with its end; None while it runs, where
+    # it could not be measured, and in a record an earlier server wrote.
+    peak_memory_bytes: int | None = None
+    cpu_user_s: float | None = None
+    cpu_system_s: float | None = None
+    cpu_throttled_s: float | None = None
 
 
 class RayDriver(BaseModel):

@@ -139,5 +139,6 @@ async def version(request: web.Request) -> web.Response:
             ray_commit=cluster.ray_commit,
             session_name=cluster.session_name,
             containment=cluster.containment,
+            limits=cluster.limits,
         )
     )

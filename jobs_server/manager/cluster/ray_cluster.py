@@ -19,8 +19,10 @@ import psutil
 import ray
 
 from jobs_server.errors import ClusterUnavailableError
+from jobs_server.manager.cluster.head_jobs_cgroup import set_up_head_jobs_cgroup
 from jobs_server.manager.cluster.ray_metrics import turn_back_on, turn_off_for_this_process
 from jobs_server.manager.live.kv import GcsKv
+from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
 from jobs_server.manager.supervisor.containment import detect_containment
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,8 @@ class ClusterInfo:
     session_name: str | None
     containment: str
     """How jobs are contained on the head node, where the shared supervisors run."""
+    limits: str = "none"
+    """How the head node enforces jobs' limits (cgroups.py `LimitsSupport`)."""
 
 
 def connect_to_ray(address: str | None, *, embedded_node_ip: str) -> RayConnection:
@@ -284,15 +288,25 @@ async def watch_cluster(health: ClusterHealth, stopping: asyncio.Event) -> str |
             return None
 
 
-async def read_cluster_info(gcs_address: str) -> ClusterInfo:
+async def read_cluster_info(
+    gcs_address: str,
+    *,
+    jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
+    head_jobs_memory_max_bytes: int | None = None,
+) -> ClusterInfo:
+    """What the version reports, probed here on the head node as the shared supervisors probe
+    it beside us; and the head's jobs cgroup set up (head_jobs_cgroup.py)."""
     session_name = await GcsKv(gcs_address, _SESSION_KV_NAMESPACE).get(_SESSION_NAME_KEY)
-    # Probed once, here on the head node, as the shared supervisors probe it beside us.
     containment = await asyncio.to_thread(detect_containment)
+    jobs_tree = await asyncio.to_thread(
+        set_up_head_jobs_cgroup, jobs_cgroup, head_jobs_memory_max_bytes
+    )
     return ClusterInfo(
         ray_version=ray.__version__,
         ray_commit=ray.__commit__,
         session_name=session_name.decode() if session_name is not None else None,
         containment=containment.value,
+        limits=jobs_tree.support.value,
     )
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from jobs_server.manager.cluster.ray_metrics import job_env_without_plumbing_setting
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 from jobs_server.manager.records import JobRecord, JobSpec
+from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
 from jobs_server.manager.supervisor.drivers import driver_job_metadata
 from jobs_server.manager.supervisor.guardian import SUPERVISOR_TOKEN_ENV_VAR
 from jobs_server.manager.supervisor.process import JOB_TOKEN_ENV_VAR, StopDeadline
@@ -54,6 +55,8 @@ class SupervisedJob(BaseModel):
     """How long an attempt runs before its start is written (see attempts.py); 0: at once."""
     run_as: RunAs | None = None
     """The user the command runs as (command_start.py); None: the supervisor's."""
+    jobs_cgroup: str = DEFAULT_JOBS_CGROUP
+    """The cgroup this node's jobs run under (cgroups.py), as the server was told."""
 
     @property
     def submission_id(self) -> str:
