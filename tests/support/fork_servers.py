@@ -16,6 +16,7 @@ import pytest
 
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import RayDriver
+from jobs_server.manager.supervisor.cgroups import AttemptCgroup
 from jobs_server.manager.supervisor.containment import SHELL, Containment
 from jobs_server.manager.supervisor.fork_server import ForkServer
 from jobs_server.manager.supervisor.job_run import JobRun
@@ -116,8 +117,11 @@ class Host:
     async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
         return None  # its commands start no Ray driver
 
-    async def prepare_processes(self) -> Containment:
+    async def prepare_processes(self, jobs_cgroup: str) -> Containment:
         return Containment.MARKER
+
+    def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:
+        return None  # where the host has no cgroups: no limits, rusage's accounting
 
     def fork_server(self) -> ForkServer | None:
         return self._forks

@@ -29,6 +29,15 @@ from jobs_server.manager.live.kv import GCS_OUTAGE_RETRY_S, GcsKv
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.records import JobRecord, JobStatus, RayDriver
 from jobs_server.manager.supervisor.attempts import JobAttempts
+from jobs_server.manager.supervisor.cgroups import (
+    NO_CGROUPS,
+    AttemptCgroup,
+    JobsCgroupTree,
+    LimitsSupport,
+    find_jobs_tree,
+    make_supervisor_dirs,
+    sweep_dead_supervisors,
+)
 from jobs_server.manager.supervisor.containment import Containment, detect_containment
 from jobs_server.manager.supervisor.drivers import RayDrivers
 from jobs_server.manager.supervisor.fork_server import ForkServer
@@ -74,6 +83,9 @@ class JobSupervisor:
         self._guardian: subprocess.Popen[bytes] | None = None
         self._containment: Containment | None = None
         self._fork_server: ForkServer | None = None
+        # This node's jobs cgroup by its name (--jobs-cgroup) and this supervisor's directories
+        # in it (cgroups.py), made at the first job that names it.
+        self._cgroups: dict[str, tuple[JobsCgroupTree, tuple[str, ...]]] = {}
         self._preparing = asyncio.Lock()
         self._store: JobStore | None = None
         self._drivers: RayDrivers | None = None
@@ -269,25 +281,64 @@ class JobSupervisor:
             self._drivers = RayDrivers(ray.get_runtime_context().gcs_address)
         return await self._drivers.last_driver_of(submission_id)
 
-    async def prepare_processes(self) -> Containment:
+    async def prepare_processes(self, jobs_cgroup: str) -> Containment:
         """Before the first job: start the guardian, learn what contains a job on this node,
         then become a subreaper (in this order: see `start_guardian`, `detect_containment`),
-        and start the fork server (on this, the event loop's thread: see `ForkServer.start`)."""
+        and start the fork server (on this, the event loop's thread: see `ForkServer.start`).
+        Before the first job of `jobs_cgroup`: this supervisor's directories in it."""
         async with self._preparing:
-            if self._containment is None:
-                self._guardian = guardian = start_guardian(self._supervisor_token)
-                self._containment = await asyncio.to_thread(detect_containment)
-                become_child_subreaper()
-                fork_server = ForkServer(self._supervisor_token, nice=self._jobs_nice)
-                try:
-                    fork_server.start()
-                    self._fork_server = fork_server
-                    # Its close never runs: a supervisor ends killed (`ray.kill`).
-                    assert fork_server.ends_dir is not None
-                    remove_when_supervisor_dies(guardian, fork_server.ends_dir)
-                except OSError as error:
-                    logger.warning("no fork server (a launcher is started per job): %s", error)
+            await self._prepare_processes()
+            if jobs_cgroup not in self._cgroups:
+                self._cgroups[jobs_cgroup] = await self._prepare_cgroups(jobs_cgroup)
+            assert self._containment is not None
             return self._containment
+
+    async def _prepare_cgroups(self, jobs_cgroup: str) -> tuple[JobsCgroupTree, tuple[str, ...]]:
+        """The node's jobs cgroup, swept of dead supervisors' leftovers, and this supervisor's
+        directories in it, which its guardian removes when it dies (after its jobs)."""
+
+        def prepare() -> tuple[JobsCgroupTree, tuple[str, ...]]:
+            tree = find_jobs_tree(jobs_cgroup)
+            if tree.support is LimitsSupport.NONE:
+                return tree, ()
+            for removed in sweep_dead_supervisors(tree):
+                logger.info("removed the cgroup %s: its supervisor is gone", removed)
+            return tree, make_supervisor_dirs(tree)
+
+        try:
+            tree, directories = await asyncio.to_thread(prepare)
+        except OSError as error:
+            logger.warning("jobs run without limits: %s", error)
+            return NO_CGROUPS, ()
+        assert self._guardian is not None
+        for directory in directories:
+            remove_when_supervisor_dies(self._guardian, directory)
+        return tree, directories
+
+    def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:
+        """A new cgroup for the run's `attempt`-th attempt, with the job's limits; None where
+        this node has none (OSError where the host refuses one)."""
+        tree, directories = self._cgroups.get(run.job.jobs_cgroup, (NO_CGROUPS, ()))
+        if tree.support is LimitsSupport.NONE:
+            return None
+        name = f"{run.job.run_id}-{attempt}"
+        return AttemptCgroup.make(tree, directories, name, run.job.spec.limits)
+
+    async def _prepare_processes(self) -> None:
+        if self._containment is not None:
+            return
+        self._guardian = guardian = start_guardian(self._supervisor_token)
+        self._containment = await asyncio.to_thread(detect_containment)
+        become_child_subreaper()
+        fork_server = ForkServer(self._supervisor_token, nice=self._jobs_nice)
+        try:
+            fork_server.start()
+            self._fork_server = fork_server
+            # Its close never runs: a supervisor ends killed (`ray.kill`).
+            assert fork_server.ends_dir is not None
+            remove_when_supervisor_dies(guardian, fork_server.ends_dir)
+        except OSError as error:
+            logger.warning("no fork server (a launcher is started per job): %s", error)
 
     def fork_server(self) -> ForkServer | None:
         return self._fork_server

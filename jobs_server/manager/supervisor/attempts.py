@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import ray
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.limits import ResourceUsage
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.logs import log_size, read_log_tail
 from jobs_server.manager.queue.retries import (
@@ -37,6 +38,7 @@ from jobs_server.manager.records import (
     RayDriver,
     now_ms,
 )
+from jobs_server.manager.supervisor.cgroups import AttemptCgroup, attempt_usage
 from jobs_server.manager.supervisor.command_start import CommandProcess, start_entrypoint
 from jobs_server.manager.supervisor.containment import Containment
 from jobs_server.manager.supervisor.early_stop import EarlyStop
@@ -49,6 +51,7 @@ from jobs_server.manager.supervisor.job_run import (
     driver_env,
     end_grace_within,
     failure_message,
+    out_of_memory_message,
 )
 from jobs_server.manager.supervisor.log_shipping import LOG_DRAIN_TIMEOUT_S
 from jobs_server.manager.supervisor.process import (
@@ -75,7 +78,10 @@ class AttemptHost(Protocol):
     async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
         """The last Ray driver the job's command started, as Ray's job table has it now."""
 
-    async def prepare_processes(self) -> Containment: ...
+    async def prepare_processes(self, jobs_cgroup: str) -> Containment: ...
+
+    def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:
+        """A new cgroup for the run's attempt (cgroups.py), or None where there are none."""
 
     def fork_server(self) -> ForkServer | None:
         """What forks the jobs' launchers (None: a launcher is started per job)."""
@@ -113,6 +119,8 @@ class JobAttempts:
         self._record: JobRecord | None = None
         # Whether the job's RUNNING has been written (and told: `JobRun.on_start_written`).
         self._start_written = False
+        # What the last attempt used, measured at its end.
+        self._last_usage = ResourceUsage()
 
     async def run(self) -> JobRecord | None:
         """Run the job's attempts and return its record as it ended (the end that won in the
@@ -132,7 +140,7 @@ class JobAttempts:
         if record.status.is_terminal() or record.run_id != job.run_id:
             return record
         self._record = record
-        containment = await self._host.prepare_processes()
+        containment = await self._host.prepare_processes(job.jobs_cgroup)
         if not self._may_start():
             return await self._record_never_started()
         job_token = secrets.token_hex(16)
@@ -174,7 +182,11 @@ class JobAttempts:
         # A stop while the command starts reaches it at once, not when its start is reported:
         # that may take a second (a batch of starts before it), and it would run on meanwhile.
         early_stop = EarlyStop(run.stop_requested)
+        cgroup: AttemptCgroup | None = None
         try:
+            # Every attempt gets one: the kernel holds it to its limits (and the head's ceiling)
+            # and counts what it used, limits or not.
+            cgroup = self._host.attempt_cgroup(run, len(self._attempts) + 1)
             with self._host.command_starting():
                 process = await start_entrypoint(
                     job.spec.entrypoint,
@@ -184,10 +196,13 @@ class JobAttempts:
                     fork_server=self._host.fork_server(),
                     early_stop=early_stop,
                     run_as=job.run_as,
+                    cgroup_procs=() if cgroup is None else cgroup.procs_files,
                 )
         except OSError as error:
             # A fork server that died as it started the command killed it: not its orphans.
             await kill_job_processes(job_token, other_roots=self._host.other_roots(run))
+            if cgroup is not None:
+                await cgroup.remove()
             if not self._attempts:
                 self._host.unspool(run)  # nothing was written: nothing to pull
             if run.stop_requested.is_set():
@@ -231,8 +246,22 @@ class JobAttempts:
                 )
             run.pid = None
             self._host.reap_orphans()
+            # Read once nothing of the attempt runs, then gone with it.
+            self._last_usage = attempt_usage(cgroup, getattr(process, "rusage", None))
+            if cgroup is not None:
+                cgroup.remove_now()
+                if not ending.cancelled():
+                    await cgroup.remove()
+        usage = self._last_usage
         self._attempts[-1] = self._attempts[-1].model_copy(
-            update={"end_time": now_ms(), "exit_code": end.exit_code}
+            update={
+                "end_time": now_ms(),
+                "exit_code": end.exit_code,
+                "peak_memory_bytes": usage.peak_memory_bytes,
+                "cpu_user_s": usage.cpu_user_s,
+                "cpu_system_s": usage.cpu_system_s,
+                "cpu_throttled_s": usage.cpu_throttled_s,
+            }
         )
         return await self._after_attempt(end)
 
@@ -382,6 +411,16 @@ class JobAttempts:
         count = len(self._attempts)
         why = "" if self._job.spec.max_retries == 0 else f" {attempts_ran(count)} ({refusal})"
         log_tail = read_log_tail(self._run.log_path, start_offset=self._attempts[-1].log_offset)
+        if self._last_usage.oom_killed:
+            # Never a bare 137: the kernel killed it for the limit it was given.
+            return await self._record_end(
+                status=JobStatus.FAILED,
+                error_type=JobErrorType.JOB_OUT_OF_MEMORY,
+                message=out_of_memory_message(
+                    self._job.spec.limits, self._last_usage, exit_code, log_tail, why
+                ),
+                driver_exit_code=exit_code,
+            )
         return await self._record_end(
             status=JobStatus.FAILED,
             error_type=JobErrorType.JOB_ENTRYPOINT_COMMAND_ERROR,

@@ -30,6 +30,7 @@ import enum
 import errno
 import logging
 import os
+import resource
 import signal
 import time
 from collections.abc import Iterator
@@ -470,3 +471,24 @@ def _read_keyed(directory: str, name: str) -> dict[str, int]:
 
 def _scaled(value: int | None, per_second: float) -> float | None:
     return None if value is None else value / per_second
+
+
+def attempt_usage(
+    cgroup: AttemptCgroup | None, rusage: resource.struct_rusage | None
+) -> ResourceUsage:
+    """What an attempt used: its cgroup's counts, each missing one from the rusage of its
+    reaped first process (wait4: it and every descendant reaped in its tree)."""
+    counted = cgroup.usage() if cgroup is not None else ResourceUsage()
+    if rusage is None:
+        return counted
+    return counted.model_copy(
+        update={
+            "peak_memory_bytes": counted.peak_memory_bytes
+            if counted.peak_memory_bytes is not None
+            else rusage.ru_maxrss * 1024,  # KiB on Linux
+            "cpu_user_s": counted.cpu_user_s if counted.cpu_user_s is not None else rusage.ru_utime,
+            "cpu_system_s": counted.cpu_system_s
+            if counted.cpu_system_s is not None
+            else rusage.ru_stime,
+        }
+    )

@@ -50,6 +50,7 @@ async def start_entrypoint(
     fork_server: None = None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
+    cgroup_procs: tuple[str, ...] = (),
 ) -> asyncio.subprocess.Process: ...
 
 
@@ -63,6 +64,7 @@ async def start_entrypoint(
     fork_server: ForkServer | None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
+    cgroup_procs: tuple[str, ...] = (),
 ) -> CommandProcess: ...
 
 
@@ -75,10 +77,12 @@ async def start_entrypoint(
     fork_server: ForkServer | None = None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
+    cgroup_procs: tuple[str, ...] = (),
 ) -> CommandProcess:
     """Run `entrypoint` with `/bin/sh -c` in a process group of its own (in the fork server's
     session, or a new one for a launcher started here; in a PID namespace of its own if
-    `containment` says so); stdout and stderr go to the log. Return once the command runs (or
+    `containment` says so; in the attempt's cgroup whose `cgroup.procs` files are
+    `cgroup_procs`, if any); stdout and stderr go to the log. Return once the command runs (or
     has been sent SIGTERM: `early_stop`).
 
     Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
@@ -93,15 +97,20 @@ async def start_entrypoint(
             env=env,
             containment=containment,
             early_stop=early_stop,
+            cgroup_procs=cgroup_procs,
         )
     if containment != Containment.PID_NAMESPACE:
         # The shell itself: it runs when this returns, and a stop reaches it from then on.
-        return await _spawn(launch_argv(entrypoint, containment, None), log_path, env, ())
+        argv = launch_argv(entrypoint, containment, None, cgroup_procs)
+        return await _spawn(argv, log_path, env, ())
     started_r, started_w = os.pipe()
     try:
         try:
             process = await _spawn(
-                launch_argv(entrypoint, containment, started_w), log_path, env, (started_w,)
+                launch_argv(entrypoint, containment, started_w, cgroup_procs),
+                log_path,
+                env,
+                (started_w,),
             )
         finally:
             os.close(started_w)

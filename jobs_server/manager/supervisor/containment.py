@@ -86,10 +86,21 @@ DEFAULTED = [sig for sig in range(1, 32) if sig not in (signal.SIGKILL, signal.S
 libc = ctypes.CDLL(None, use_errno=True)
 
 
-def fail(what):
-    reason = os.strerror(ctypes.get_errno())
+def fail(what, reason=None):
+    reason = reason or os.strerror(ctypes.get_errno())
     os.write(2, ("jobs-server: cannot contain the job (%s): %s\n" % (what, reason)).encode())
     os._exit(125)
+
+
+def join_cgroups(procs_files):
+    # This process moves itself into its attempt's cgroup (cgroups.py), before anything of the
+    # job runs: every process of the job is born in it. "0" is the writer, in any namespace.
+    for path in procs_files:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, b"0")
+        finally:
+            os.close(fd)
 
 
 # Whether one of FORWARDED (a stop) came while the init's command still ran: a stop that came
@@ -192,8 +203,18 @@ def launch_in_namespace(shell, entrypoint, started_w, env):
 """
 
 LAUNCHER_SOURCE = (
-    LAUNCH_SOURCE + "launch_in_namespace(sys.argv[1], sys.argv[2], int(sys.argv[3]), None)\n"
+    LAUNCH_SOURCE
+    + r"""
+try:
+    join_cgroups(sys.argv[4].split("\n") if len(sys.argv) > 4 and sys.argv[4] else ())
+except OSError as error:
+    fail("its cgroup", str(error))
+launch_in_namespace(sys.argv[1], sys.argv[2], int(sys.argv[3]), None)
+"""
 )
+# The shell's way into its cgroup where no launcher runs (marker containment, no fork server):
+# it moves itself, then execs the job's shell (`$0`: the entrypoint; the arguments: the files).
+_JOIN_THEN_EXEC = 'for f; do printf 0 > "$f" || exit 125; done; exec %s -c "$0"'
 
 
 def detect_containment() -> Containment:
@@ -225,9 +246,16 @@ def detect_containment() -> Containment:
     return Containment.PID_NAMESPACE
 
 
-def launch_argv(entrypoint: str, containment: Containment, started_fd: int | None) -> list[str]:
-    """The command line that runs `entrypoint` under `containment`. In a PID namespace, the
-    launcher closes `started_fd` (a pipe's end the child inherits) once the command runs."""
+def launch_argv(
+    entrypoint: str,
+    containment: Containment,
+    started_fd: int | None,
+    cgroup_procs: tuple[str, ...] = (),
+) -> list[str]:
+    """The command line that runs `entrypoint` under `containment`, in the cgroup whose
+    `cgroup.procs` files are `cgroup_procs` (cgroups.py; none: where it is). In a PID
+    namespace, the launcher closes `started_fd` (a pipe's end the child inherits) once the
+    command runs."""
     # By value, not identity: the enum may arrive in a copy pickled with the supervisor's code.
     if containment == Containment.PID_NAMESPACE:
         return [
@@ -239,5 +267,8 @@ def launch_argv(entrypoint: str, containment: Containment, started_fd: int | Non
             SHELL,
             entrypoint,
             str(-1 if started_fd is None else started_fd),
+            "\n".join(cgroup_procs),
         ]
+    if cgroup_procs:
+        return [SHELL, "-c", _JOIN_THEN_EXEC % SHELL, entrypoint, *cgroup_procs]
     return [SHELL, "-c", entrypoint]

@@ -18,6 +18,7 @@ import fcntl
 import itertools
 import logging
 import os
+import resource
 import secrets
 import shutil
 import signal
@@ -57,6 +58,9 @@ class ForkedProcess:
     def __init__(self, pid: int, *, end_path: str | None = None) -> None:
         self.pid = pid
         self.returncode: int | None = None
+        self.rusage: resource.struct_rusage | None = None
+        """Once it has exited: what it and the descendants it (and they) reaped used (wait4):
+        in a PID namespace, every process of the job, whose init reaps them all."""
         self.stop_reached_command: bool | None = None
         """An init's, once it has exited: whether a stop (a signal it passes on) reached its
         command while it ran; False if the command ended on its own, a stop coming after."""
@@ -74,11 +78,12 @@ class ForkedProcess:
 
     def _reap(self) -> None:
         try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            pid, status, rusage = os.wait4(self.pid, os.WNOHANG)
         except ChildProcessError:
-            pid, status = self.pid, -1  # collected by someone else
+            pid, status, rusage = self.pid, -1, None  # collected by someone else
         if pid == 0:
             return
+        self.rusage = rusage
         asyncio.get_running_loop().remove_reader(self._pidfd)
         os.close(self._pidfd)
         returncode = _UNKNOWN_EXIT_CODE if status < 0 else os.waitstatus_to_exitcode(status)
@@ -295,16 +300,19 @@ class ForkServer:
         env: Mapping[str, str],
         containment: Containment,
         early_stop: EarlyStop | None = None,
+        cgroup_procs: tuple[str, ...] = (),
     ) -> ForkedProcess:
-        """Run `entrypoint` as `containment.launch_argv` would; return once the command runs
-        (or has been sent SIGTERM: `early_stop`). Raises OSError if it cannot start (the log
-        would not open, the fork server died)."""
+        """Run `entrypoint` as `containment.launch_argv` would (its first process in the
+        cgroup of `cgroup_procs`); return once the command runs (or has been sent SIGTERM:
+        `early_stop`). Raises OSError if it cannot start (the log would not open, the fork
+        server died, the cgroup refused it)."""
         if self._process is None:
             self.start()
         job = next(self._job_numbers)
         started: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._starting[job] = started
         fields = [str(job), str(containment), self._shell, os.fspath(log_path), entrypoint]
+        fields.append("\n".join(cgroup_procs))
         fields += [f"{name}={value}" for name, value in env.items()]
         if any("\0" in field for field in fields) or any(not n or "=" in n for n in env):
             del self._starting[job]

@@ -16,6 +16,7 @@ import ray
 from pydantic import BaseModel, ConfigDict
 
 from jobs_server.manager.cluster.ray_metrics import job_env_without_plumbing_setting
+from jobs_server.manager.limits import JobLimits, ResourceUsage
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S, describe_exit
 from jobs_server.manager.records import JobRecord, JobSpec
 from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
@@ -143,6 +144,42 @@ def end_grace_within(run: JobRun, grace_period_s: float) -> StopDeadline:
     else:
         run.stop_deadline.shorten_to(grace_period_s)
     return run.stop_deadline
+
+
+def out_of_memory_message(
+    limits: JobLimits | None,
+    usage: ResourceUsage,
+    exit_code: int,
+    log_tail: str,
+    why_it_ended: str = "",
+) -> str:
+    """What a job the kernel killed for memory says: its limit (the job's own, else the
+    head's ceiling for all the jobs there), its peak, and its last output."""
+    limit = limits.memory_bytes if limits is not None else None
+    which = (
+        f"its memory limit of {format_bytes(limit)}"
+        if limit is not None
+        else "the memory ceiling of the node's jobs (--head-jobs-memory-max-bytes on the head)"
+    )
+    peak = usage.peak_memory_bytes
+    message = (
+        f"Job ran out of memory: the kernel killed it at {which}"
+        f"{'' if peak is None else f' (peak {format_bytes(peak)})'}"
+        f"; its command {describe_exit(exit_code)}{why_it_ended}."
+    )
+    if log_tail:
+        message += f" Last output:\n{log_tail}"
+    return message
+
+
+def format_bytes(count: int) -> str:
+    """`count` bytes in binary units, as a person reads them (100 MiB)."""
+    value, unit = float(count), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{count} bytes" if unit == "bytes" else f"{value:.4g} {unit}"
 
 
 def failure_message(exit_code: int, log_tail: str, why_it_ended: str = "") -> str:

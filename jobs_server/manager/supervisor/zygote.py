@@ -21,8 +21,10 @@ is, the launcher is forked twice, and the fork between exits at once so that the
 re-parented to the supervisor (a child subreaper).
 
 It reads requests on its stdin, each `<length>\\n` then NUL-separated fields: the job's number,
-its containment, the shell, the log's path, the entrypoint and the `NAME=value` of its
-environment. It answers on its stdout, a line each:
+its containment, the shell, the log's path, the entrypoint, the `cgroup.procs` files of its
+attempt's cgroup (newline-separated; empty: none) and the `NAME=value` of its environment.
+The job's first process joins that cgroup before it becomes anything (cgroups.py). It answers
+on its stdout, a line each:
 
     forked <job> <pid>       the launcher's pid (written as it is cloned, before `started`)
     forked <job> <pid> init  the init's pid: the job's namespace has no launcher
@@ -184,24 +186,29 @@ def wait_until_reported(reported_r, reported_w):
     os.close(reported_r)
 
 
-def become(started_r, started_w, reported, what, *args):
+def become(started_r, started_w, reported, cgroups, what, *args):
     # In a job's first process (the launcher or the init): it never returns; what keeps it from
     # becoming `what` is the start's error.
     try:
         os.close(started_r)
         wait_until_reported(*reported)
+        try:
+            join_cgroups(cgroups)
+        except OSError as error:
+            os.write(started_w, ("cannot place the job in its cgroup: %s" % (error,)).encode())
+            os._exit(125)
         what(*args)
     except BaseException as error:
         os.write(started_w, ("cannot launch the job: %r" % (error,)).encode())
         os._exit(127)
 
 
-def fork_launcher(job, started_r, started_w, reported, launcher_args):
+def fork_launcher(job, started_r, started_w, reported, cgroups, launcher_args):
     # In the fork between: its exit re-parents the launcher to the supervisor.
     try:
         launcher = os.fork()
         if launcher == 0:
-            become(started_r, started_w, reported, become_launcher, *launcher_args)
+            become(started_r, started_w, reported, cgroups, become_launcher, *launcher_args)
         os.write(REPORTS, b"forked %s %d\n" % (job, launcher))
         os.write(reported[1], b"r")
     except BaseException as error:
@@ -213,8 +220,9 @@ def fork_launcher(job, started_r, started_w, reported, launcher_args):
 def start(frame):
     global can_clone_init
     fields = frame.split(b"\0")
-    job, containment, shell, log_path, entrypoint = fields[:5]
-    env = dict(item.split(b"=", 1) for item in fields[5:])
+    job, containment, shell, log_path, entrypoint, cgroups = fields[:6]
+    cgroups = [os.fsdecode(path) for path in cgroups.split(b"\n") if path]
+    env = dict(item.split(b"=", 1) for item in fields[6:])
     try:
         log = os.open(os.fsdecode(log_path), LOG_FLAGS, 0o600)
     except OSError as error:
@@ -232,7 +240,7 @@ def start(frame):
         first = clone_parent(CLONE_NEWPID)
         if first == 0:
             end_path = os.path.join(ENDS_DIR, os.fsdecode(job))
-            become(started_r, started_w, reported, become_init,
+            become(started_r, started_w, reported, cgroups, become_init,
                    shell, entrypoint, log, started_w, env, end_path)
         if first < 0 and ctypes.get_errno() in REFUSALS:
             can_clone_init = False  # refused here: a launcher from now on
@@ -240,7 +248,7 @@ def start(frame):
     if first < 0:
         first = clone_parent()
         if first == 0:
-            become(started_r, started_w, reported, become_launcher, *launcher_args)
+            become(started_r, started_w, reported, cgroups, become_launcher, *launcher_args)
     between = -1
     if first < 0:
         try:
@@ -248,7 +256,7 @@ def start(frame):
         except OSError as error:
             reason = str(error).encode()
         if between == 0:
-            fork_launcher(job, started_r, started_w, reported, launcher_args)
+            fork_launcher(job, started_r, started_w, reported, cgroups, launcher_args)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     os.close(log)
     os.close(started_w)
