@@ -193,6 +193,13 @@ class Settings(BaseSettings):
             " absolute (a subtree delegated to the server's user)."
         ),
     )
+    no_job_cgroups: bool = Field(
+        False,
+        description=(
+            "Run jobs without a cgroup each: no limits enforced, no head-wide ceiling; what a"
+            " job used is measured from its reaped processes (GET /api/version: limits none)."
+        ),
+    )
     head_jobs_memory_max_bytes: int | None = Field(
         None,
         ge=0,

@@ -120,7 +120,7 @@ class ContainedHost(Host):
         super().__init__(store, forks)
         self._containment = containment
 
-    async def prepare_processes(self, jobs_cgroup: str) -> Containment:
+    async def prepare_processes(self, jobs_cgroup: str | None) -> Containment:
         return self._containment
 
 

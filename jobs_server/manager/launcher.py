@@ -51,7 +51,7 @@ class Launcher:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         tenant_limits: Callable[[str], TenantLimits] = lambda _: NO_LIMITS,
         jobs_user: RunAs | None = None,
-        jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
+        jobs_cgroup: str | None = DEFAULT_JOBS_CGROUP,
     ) -> None:
         self._supervisors = supervisors
         self._jobs_cgroup = jobs_cgroup

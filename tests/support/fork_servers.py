@@ -117,7 +117,7 @@ class Host:
     async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
         return None  # its commands start no Ray driver
 
-    async def prepare_processes(self, jobs_cgroup: str) -> Containment:
+    async def prepare_processes(self, jobs_cgroup: str | None) -> Containment:
         return Containment.MARKER
 
     def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:

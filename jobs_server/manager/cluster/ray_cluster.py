@@ -22,7 +22,7 @@ from jobs_server.errors import ClusterUnavailableError
 from jobs_server.manager.cluster.head_jobs_cgroup import set_up_head_jobs_cgroup
 from jobs_server.manager.cluster.ray_metrics import turn_back_on, turn_off_for_this_process
 from jobs_server.manager.live.kv import GcsKv
-from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP
+from jobs_server.manager.supervisor.cgroups import DEFAULT_JOBS_CGROUP, NO_CGROUPS
 from jobs_server.manager.supervisor.containment import detect_containment
 
 logger = logging.getLogger(__name__)
@@ -291,16 +291,18 @@ async def watch_cluster(health: ClusterHealth, stopping: asyncio.Event) -> str |
 async def read_cluster_info(
     gcs_address: str,
     *,
-    jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
+    jobs_cgroup: str | None = DEFAULT_JOBS_CGROUP,
     head_jobs_memory_max_bytes: int | None = None,
 ) -> ClusterInfo:
     """What the version reports, probed here on the head node as the shared supervisors probe
     it beside us; and the head's jobs cgroup set up (head_jobs_cgroup.py)."""
     session_name = await GcsKv(gcs_address, _SESSION_KV_NAMESPACE).get(_SESSION_NAME_KEY)
     containment = await asyncio.to_thread(detect_containment)
-    jobs_tree = await asyncio.to_thread(
-        set_up_head_jobs_cgroup, jobs_cgroup, head_jobs_memory_max_bytes
-    )
+    jobs_tree = NO_CGROUPS
+    if jobs_cgroup is not None:
+        jobs_tree = await asyncio.to_thread(
+            set_up_head_jobs_cgroup, jobs_cgroup, head_jobs_memory_max_bytes
+        )
     return ClusterInfo(
         ray_version=ray.__version__,
         ray_commit=ray.__commit__,

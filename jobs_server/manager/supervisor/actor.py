@@ -281,14 +281,14 @@ class JobSupervisor:
             self._drivers = RayDrivers(ray.get_runtime_context().gcs_address)
         return await self._drivers.last_driver_of(submission_id)
 
-    async def prepare_processes(self, jobs_cgroup: str) -> Containment:
+    async def prepare_processes(self, jobs_cgroup: str | None) -> Containment:
         """Before the first job: start the guardian, learn what contains a job on this node,
         then become a subreaper (in this order: see `start_guardian`, `detect_containment`),
         and start the fork server (on this, the event loop's thread: see `ForkServer.start`).
         Before the first job of `jobs_cgroup`: this supervisor's directories in it."""
         async with self._preparing:
             await self._prepare_processes()
-            if jobs_cgroup not in self._cgroups:
+            if jobs_cgroup is not None and jobs_cgroup not in self._cgroups:
                 self._cgroups[jobs_cgroup] = await self._prepare_cgroups(jobs_cgroup)
             assert self._containment is not None
             return self._containment
@@ -318,7 +318,7 @@ class JobSupervisor:
     def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:
         """A new cgroup for the run's `attempt`-th attempt, with the job's limits; None where
         this node has none (OSError where the host refuses one)."""
-        tree, directories = self._cgroups.get(run.job.jobs_cgroup, (NO_CGROUPS, ()))
+        tree, directories = self._cgroups.get(run.job.jobs_cgroup or "", (NO_CGROUPS, ()))
         if tree.support is LimitsSupport.NONE:
             return None
         name = f"{run.job.run_id}-{attempt}"

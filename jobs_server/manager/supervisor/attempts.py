@@ -78,7 +78,7 @@ class AttemptHost(Protocol):
     async def ray_driver_of(self, submission_id: str) -> RayDriver | None:
         """The last Ray driver the job's command started, as Ray's job table has it now."""
 
-    async def prepare_processes(self, jobs_cgroup: str) -> Containment: ...
+    async def prepare_processes(self, jobs_cgroup: str | None) -> Containment: ...
 
     def attempt_cgroup(self, run: JobRun, attempt: int) -> AttemptCgroup | None:
         """A new cgroup for the run's attempt (cgroups.py), or None where there are none."""

@@ -56,8 +56,9 @@ class SupervisedJob(BaseModel):
     """How long an attempt runs before its start is written (see attempts.py); 0: at once."""
     run_as: RunAs | None = None
     """The user the command runs as (command_start.py); None: the supervisor's."""
-    jobs_cgroup: str = DEFAULT_JOBS_CGROUP
-    """The cgroup this node's jobs run under (cgroups.py), as the server was told."""
+    jobs_cgroup: str | None = DEFAULT_JOBS_CGROUP
+    """The cgroup this node's jobs run under (cgroups.py), as the server was told; None: no
+    cgroups (--no-job-cgroups)."""
 
     @property
     def submission_id(self) -> str:
