@@ -1,6 +1,7 @@
 """Prometheus metrics: HTTP requests by route, jobs by tenant and status, the queue (its jobs,
-its caps, its refusals, the retries), the jobs each supervisor holds and this replica's
-database, jobs and leases, read when scraped.
+its caps, its refusals, the retries), what the jobs that ended used (peak memory and CPU time,
+per attempt), the jobs each supervisor holds and this replica's database, jobs and leases,
+read when scraped.
 
 The per-tenant series are made for each scrape from the caller's view: an admin sees every
 tenant's series, any other key only its own tenant's, and none of the server-wide series (HTTP
@@ -14,14 +15,22 @@ import collections
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from jobs_server.manager import JobStatus
 from jobs_server.manager.archive.events import JobEvent, JobEventType
+from jobs_server.manager.records import JobAttempt
 from jobs_server.manager.replica import ReplicaState
 from jobs_server.manager.supervisors import SupervisorOccupancy
 from jobs_server.manager.tenancy import TenantLimits
@@ -29,6 +38,50 @@ from jobs_server.manager.tenancy import TenantLimits
 # The status counted for a request cancelled before its handler returned: nginx's "client closed
 # request", as no status of HTTP's own says that.
 CANCELLED_REQUEST_STATUS = 499
+
+# What an attempt used: from a shell command's few MiB to a large node's memory, by fours
+# (4 MiB ... 256 GiB); from a tenth of a second of CPU to a day of it.
+PEAK_MEMORY_BUCKETS_BYTES: Final = tuple(float(4**power << 22) for power in range(9))
+CPU_SECONDS_BUCKETS: Final = (
+    0.1,
+    0.5,
+    1.0,
+    5.0,
+    15.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+    14400.0,
+    86400.0,
+)
+
+
+class Distribution:
+    """A histogram's state for one tenant (bucket counts, sum), exported per scrape: a
+    registry's histogram would show every tenant's series to every caller."""
+
+    def __init__(self, upper_bounds: tuple[float, ...]) -> None:
+        self.upper_bounds = upper_bounds
+        self.counts = [0] * (len(upper_bounds) + 1)  # the last: above every bound (+Inf)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        index = next(
+            (i for i, bound in enumerate(self.upper_bounds) if value <= bound),
+            len(self.upper_bounds),
+        )
+        self.counts[index] += 1
+        self.total += value
+
+    def cumulative_buckets(self) -> list[tuple[str, float]]:
+        """(`le`, observations at or below it), +Inf last, as the exposition wants them."""
+        bounds = [*map(floatToGoString, self.upper_bounds), "+Inf"]
+        running, buckets = 0, []
+        for bound, count in zip(bounds, self.counts, strict=True):
+            running += count
+            buckets.append((bound, float(running)))
+        return buckets
 
 
 @dataclass(frozen=True)
@@ -68,6 +121,12 @@ class ServerMetrics:
         # Per tenant, so kept here and shown per caller (a registry's counters are all or none).
         self.queue_full_refusals: collections.Counter[str] = collections.Counter()
         self.job_retries: collections.Counter[str] = collections.Counter()
+        self.peak_memory: dict[str, Distribution] = collections.defaultdict(
+            lambda: Distribution(PEAK_MEMORY_BUCKETS_BYTES)
+        )
+        self.cpu_seconds: dict[str, Distribution] = collections.defaultdict(
+            lambda: Distribution(CPU_SECONDS_BUCKETS)
+        )
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
         self.http_requests.labels(route, method, str(status)).inc()
@@ -79,17 +138,28 @@ class ServerMetrics:
 
     def observe_job_events(self, events: Iterable[JobEvent]) -> None:
         """Count the retries of each job whose end is among `events` (the archive's, as
-        committed): its attempts after the first. The server learns a job's attempts from its
-        record, which it reads at the job's end, so a retry is counted when its job ends."""
+        committed): its attempts after the first; and observe what each of its attempts used,
+        where that was measured. The server learns a job's attempts from its record, which it
+        reads at the job's end, so a retry and its use are counted when its job ends."""
         for event in events:
             record = event.record
             if (
-                event.type is JobEventType.STATUS
-                and record is not None
-                and record.status.is_terminal()
-                and len(record.attempts) > 1
+                event.type is not JobEventType.STATUS
+                or record is None
+                or not record.status.is_terminal()
             ):
+                continue
+            if len(record.attempts) > 1:
                 self.job_retries[record.tenant] += len(record.attempts) - 1
+            for attempt in record.attempts:
+                self._observe_use(record.tenant, attempt)
+
+    def _observe_use(self, tenant: str, attempt: JobAttempt) -> None:
+        if attempt.peak_memory_bytes is not None:
+            self.peak_memory[tenant].observe(attempt.peak_memory_bytes)
+        cpu_s = [s for s in (attempt.cpu_user_s, attempt.cpu_system_s) if s is not None]
+        if cpu_s:
+            self.cpu_seconds[tenant].observe(sum(cpu_s))
 
     def exposition(
         self,
@@ -108,6 +178,7 @@ class ServerMetrics:
         if jobs_counted:
             scraped.register(_JobCounts(by_tenant))
         scraped.register(_QueueSeries(sorted(by_tenant), queue, self))
+        scraped.register(_UseSeries(sorted(by_tenant), self))
         text = generate_latest(scraped)
         if supervisors is None:
             return text
@@ -287,6 +358,40 @@ class _QueueSeries(Collector):
             refusals,
             retries,
         ]
+
+
+class _UseSeries(Collector):
+    """What the ended jobs' attempts used, per tenant of `tenants` only (zeros before the
+    first): one observation per attempt that was measured, made when its job ended."""
+
+    def __init__(self, tenants: list[str], metrics: ServerMetrics) -> None:
+        self._tenants = tenants
+        self._metrics = metrics
+
+    def collect(self) -> list[Metric]:
+        peak_memory = HistogramMetricFamily(
+            "jobs_server_job_peak_memory_bytes",
+            "The memory high-water mark of each attempt of the jobs that ended (its cgroup's"
+            " peak, else its largest process's RSS), observed at the job's end, by tenant.",
+            labels=["tenant"],
+        )
+        cpu_seconds = HistogramMetricFamily(
+            "jobs_server_job_cpu_seconds",
+            "The CPU time (user + system) of each attempt of the jobs that ended, observed at"
+            " the job's end, by tenant.",
+            labels=["tenant"],
+        )
+        for family, by_tenant, bounds in (
+            (peak_memory, self._metrics.peak_memory, PEAK_MEMORY_BUCKETS_BYTES),
+            (cpu_seconds, self._metrics.cpu_seconds, CPU_SECONDS_BUCKETS),
+        ):
+            for tenant in self._tenants:
+                # .get: a scrape adds no tenant to the metrics' state.
+                distribution = by_tenant.get(tenant) or Distribution(bounds)
+                family.add_metric(
+                    [tenant], distribution.cumulative_buckets(), sum_value=distribution.total
+                )
+        return [peak_memory, cpu_seconds]
 
 
 def route_name(request: web.Request) -> str:

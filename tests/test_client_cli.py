@@ -27,8 +27,10 @@ from pydantic import SecretStr
 
 from jobs_server.app import create_app
 from jobs_server.client.follow import exit_code_of
+from jobs_server.client.output import format_bytes, format_cpu_seconds
 from jobs_server.client.sse import Event, parse_events, read_events
 from jobs_server.settings import Settings
+from tests.support.accounting import GIBIBYTE, MEBIBYTE, finish_measured, measured_attempt
 from tests.support.cli import CLIENT, run_cli, start_cli
 from tests.support.fakes import FakeJobManager
 
@@ -366,12 +368,83 @@ async def test_list_and_status_print_tables_and_json(
     code, stdout, _ = await run_cli("list", "--url", url)
     lines = stdout.decode().splitlines()
     assert code == 0
-    assert lines[0].split() == ["SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "ENTRYPOINT"]
+    assert lines[0].split() == [
+        "SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "PEAK_MEMORY", "CPU", "ENTRYPOINT",
+    ]  # fmt: skip
     assert [line.split()[:2] for line in lines[1:]] == [["first", "FAILED"], ["second", "RUNNING"]]
     code, stdout, _ = await run_cli("list", "--status", "RUNNING", "--json", "--url", url)
     assert [job["submission_id"] for job in json.loads(stdout)] == ["second"]
     code, stdout, _ = await run_cli("status", "first", "--url", url)
     assert b"exit_code:     2" in stdout
+
+
+async def test_status_and_list_show_what_a_job_used_and_its_limits(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    url = url_of(fake_server)
+    async with aiohttp.ClientSession() as session:
+        body = {
+            "entrypoint": "x",
+            "submission_id": "measured",
+            "limits": {"memory_bytes": GIBIBYTE, "cpu_cores": 0.5, "max_processes": 64},
+        }
+        assert (await session.post(f"{url}/api/jobs/", json=body)).status == 200
+    fake.start("measured")
+    finish_measured(
+        fake,
+        "measured",
+        [
+            measured_attempt(None, None, None, exit_code=3),  # not measured: nothing said
+            measured_attempt(200 * MEBIBYTE, 61.25, 0.5, 2.0, log_offset=10),
+        ],
+    )
+    code, stdout, stderr = await run_cli("status", "measured", "--url", url)
+    assert code == 0, stderr
+    lines = stdout.decode().splitlines()
+    assert "limits:        memory 1.0 GiB, 0.5 CPU cores, 64 processes" in lines
+    assert "peak_memory:   200.0 MiB" in lines
+    assert "cpu_time:      1m01.75s (user 1m01.25s, system 0.50s)" in lines
+    attempts = [line for line in lines if line.startswith("attempt.")]
+    assert attempts[0].endswith(", exit code 3, log from byte 0"), attempts
+    assert attempts[1].endswith(
+        ", exit code 0, log from byte 10, peak memory 200.0 MiB, CPU user 1m01.25s system 0.50s,"
+        " throttled 2.00s"
+    ), attempts
+    await running_fake_job(fake_server, fake, "running")
+    code, stdout, stderr = await run_cli("list", "--url", url)
+    rows = {line.split()[0]: line.split() for line in stdout.decode().splitlines()[1:]}
+    assert rows["measured"][5:9] == ["200.0", "MiB", "1m01.75s", "x"], rows
+    assert rows["running"][5:8] == ["-", "-", "x"], rows  # not measured while it runs
+    code, stdout, stderr = await run_cli("status", "running", "--url", url)
+    assert b"peak_memory" not in stdout
+    assert b"limits" not in stdout
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (None, "-"),
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (1024, "1.0 KiB"),
+        (3 * MEBIBYTE // 2, "1.5 MiB"),
+        (200 * MEBIBYTE, "200.0 MiB"),
+        (GIBIBYTE, "1.0 GiB"),
+        (5 * 1024 * GIBIBYTE, "5.0 TiB"),
+        (2**62, "4.0 EiB"),
+    ],
+)
+def test_bytes_are_shown_in_binary_units(value: int | None, text: str) -> None:
+    assert format_bytes(value) == text
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [(None, "-"), (0.0, "0.00s"), (0.004, "0.00s"), (59.994, "59.99s"), (61.25, "1m01.25s"),
+     (3600.0, "1h00m00s"), (90061.5, "25h01m01s")],
+)  # fmt: skip
+def test_cpu_seconds_are_shown_to_the_hundredth(value: float | None, text: str) -> None:
+    assert format_cpu_seconds(value) == text
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""What the client prints: a job list as a table, one job's details, times people read."""
+"""What the client prints: a job list as a table, one job's details, times, sizes and CPU
+seconds people read."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 ENTRYPOINT_WIDTH = 60
+BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def print_json(value: Any, out: TextIO) -> None:
@@ -16,7 +18,7 @@ def print_json(value: Any, out: TextIO) -> None:
 
 def print_job_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
     """One line per job, oldest first, as the server lists them."""
-    rows = [("SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "ENTRYPOINT")]
+    rows = [("SUBMISSION_ID", "STATUS", "STARTED", "DURATION", "PEAK_MEMORY", "CPU", "ENTRYPOINT")]
     now_ms = int(time.time() * 1000)
     for job in jobs:
         rows.append(
@@ -25,6 +27,8 @@ def print_job_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
                 str(job.get("status")),
                 format_time(job.get("start_time")),
                 format_duration(job.get("start_time"), job.get("end_time"), now_ms),
+                format_bytes(job.get("peak_memory_bytes")),
+                format_cpu_seconds(cpu_total_s(job)),
                 shorten(str(job.get("entrypoint", "")), ENTRYPOINT_WIDTH),
             )
         )
@@ -50,6 +54,11 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
     fields += [("priority", job.get("priority")), ("max_retries", job.get("max_retries"))]
     if job.get("retry_on_exit_codes"):
         fields.append(("retry_on", ", ".join(map(str, job["retry_on_exit_codes"]))))
+    fields.append(("limits", describe_limits(job.get("limits"))))
+    fields.append(("peak_memory", format_bytes(job.get("peak_memory_bytes"))))
+    if (total_s := cpu_total_s(job)) is not None:
+        user, system = (format_cpu_seconds(job.get(f"cpu_{kind}_s")) for kind in ("user", "system"))
+        fields.append(("cpu_time", f"{format_cpu_seconds(total_s)} (user {user}, system {system})"))
     fields += [
         (f"attempt.{number}", describe_attempt(attempt))
         for number, attempt in enumerate(job.get("attempts") or [], start=1)
@@ -61,7 +70,8 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
 
 
 def describe_attempt(attempt: dict[str, Any]) -> str:
-    """One attempt of the command on a line: when it ran, how it ended, where its log begins."""
+    """One attempt of the command on a line: when it ran, how it ended, where its log begins,
+    and what it used where that was measured."""
     started = format_time(attempt.get("start_time"))
     if attempt.get("end_time") is None:
         ran = f"{started}, running"
@@ -69,7 +79,65 @@ def describe_attempt(attempt: dict[str, Any]) -> str:
         exit_code = attempt.get("exit_code")
         ended = "no exit code" if exit_code is None else f"exit code {exit_code}"
         ran = f"{started} to {format_time(attempt['end_time'])}, {ended}"
-    return f"{ran}, log from byte {attempt.get('log_offset')}"
+    used = [f"{ran}, log from byte {attempt.get('log_offset')}"]
+    if attempt.get("peak_memory_bytes") is not None:
+        used.append(f"peak memory {format_bytes(attempt['peak_memory_bytes'])}")
+    if cpu_total_s(attempt) is not None:
+        used.append(
+            f"CPU user {format_cpu_seconds(attempt.get('cpu_user_s'))}"
+            f" system {format_cpu_seconds(attempt.get('cpu_system_s'))}"
+        )
+    if attempt.get("cpu_throttled_s") is not None:
+        used.append(f"throttled {format_cpu_seconds(attempt['cpu_throttled_s'])}")
+    return ", ".join(used)
+
+
+def describe_limits(limits: dict[str, Any] | None) -> str | None:
+    """A job's limits on a line ("memory 1.0 GiB, 0.5 CPU cores, 64 processes"); None: none."""
+    if not limits:
+        return None
+    parts = []
+    if limits.get("memory_bytes") is not None:
+        parts.append(f"memory {format_bytes(limits['memory_bytes'])}")
+    if (cores := limits.get("cpu_cores")) is not None:
+        parts.append(f"{cores:g} CPU {'core' if cores == 1 else 'cores'}")
+    if (processes := limits.get("max_processes")) is not None:
+        parts.append(f"{processes} {'process' if processes == 1 else 'processes'}")
+    return ", ".join(parts) or None
+
+
+def cpu_total_s(usage: dict[str, Any]) -> float | None:
+    """User and system CPU seconds of a job or an attempt together; None: not measured."""
+    measured = [usage.get(name) for name in ("cpu_user_s", "cpu_system_s")]
+    present = [seconds for seconds in measured if isinstance(seconds, int | float)]
+    return sum(present) if present else None
+
+
+def format_bytes(size: Any) -> str:
+    """A size in binary units people read: 512 B, 1.5 MiB, 200.0 MiB, 4.0 GiB; `-` for none."""
+    if not isinstance(size, int):
+        return "-"
+    if size < 1024:
+        return f"{size} B"
+    value = float(size)
+    for unit in BINARY_UNITS:
+        value /= 1024
+        if value < 1024 or unit == BINARY_UNITS[-1]:
+            break
+    return f"{value:.1f} {unit}"
+
+
+def format_cpu_seconds(seconds: Any) -> str:
+    """CPU time to the hundredth of a second: 0.42s, 1m01.25s, 2h05m09s; `-` for none."""
+    if not isinstance(seconds, int | float):
+        return "-"
+    if seconds < 60:
+        return f"{seconds:.2f}s"
+    minutes, rest = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{int(minutes)}m{rest:05.2f}s"
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}h{minutes:02d}m{int(rest):02d}s"
 
 
 def format_time(epoch_ms: Any) -> str:
