@@ -21,6 +21,7 @@ from jobs_server.access.key_digest import digest_of, new_api_key
 from jobs_server.access.tokens import TokensFileError, load_tokens_file, parse_tokens
 from jobs_server.app import create_app
 from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
+from jobs_server.manager.limits import JobLimits
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
 from jobs_server.settings import Settings
@@ -72,6 +73,33 @@ def test_a_valid_file_gives_principals_and_caps() -> None:
         ('[tenants.team-a]\nmax_running = "5"\n', "tenants.team-a.max_running: Input should"),
         ("[tenants.team-a]\nmax_runing = 5\n", "tenants.team-a.max_runing: unknown field"),
         ('[tenants."a b"]\n', "tenants.'a b': expected 1 to 64 letters"),
+        (
+            "[tenants.team-a.default_limits]\nmemory = 1073741824\n",
+            "tenants.team-a.default_limits.memory: unknown field",
+        ),
+        (
+            '[tenants.team-a.max_limits]\nmemory_bytes = "1GiB"\n',
+            "tenants.team-a.max_limits.memory_bytes: Input should be a valid integer",
+        ),
+        (
+            "[tenants.team-a.max_limits]\nmemory_bytes = 1024\n",
+            "tenants.team-a.max_limits.memory_bytes: Input should be greater than or equal to",
+        ),
+        (
+            "[tenants.team-a.default_limits]\nmax_processes = -1\n",
+            "tenants.team-a.default_limits.max_processes: Input should be greater than or equal",
+        ),
+        (
+            "[tenants.team-a.default_limits]\ncpu_cores = true\n",
+            "tenants.team-a.default_limits.cpu_cores: Input should be a valid number",
+        ),
+        ("[tenants.team-a]\nmax_limits = 5\n", "tenants.team-a.max_limits: Input should be"),
+        (
+            "[tenants.team-a.default_limits]\nmemory_bytes = 2147483648\ncpu_cores = 4\n"
+            "[tenants.team-a.max_limits]\nmemory_bytes = 1073741824\ncpu_cores = 4\n",
+            "tenants.team-a: default_limits.memory_bytes (2147483648) is above max_limits"
+            ".memory_bytes (1073741824)",
+        ),
     ],
 )
 def test_an_invalid_file_is_refused_saying_where(text: str, error: str) -> None:
@@ -81,6 +109,23 @@ def test_an_invalid_file_is_refused_saying_where(text: str, error: str) -> None:
     assert error in str(raised.value)
     # A key pasted where its digest belongs is never echoed.
     assert "the-key-itself" not in str(raised.value)
+
+
+def test_a_tenants_default_and_maximum_limits_are_read() -> None:
+    text = (
+        "[tenants.team-a.default_limits]\nmemory_bytes = 268_435_456\ncpu_cores = 1\n"
+        "[tenants.team-a.max_limits]\nmemory_bytes = 1_073_741_824\nmax_processes = 500\n"
+        "[tenants.team-b.max_limits]\ncpu_cores = 0.5\n"
+        "[tenants.team-c.default_limits]\n"
+    )
+    tokens = parse_tokens(text, source="t.toml")
+    assert tokens.limits_for("team-a") == TenantLimits(
+        default_limits=JobLimits(memory_bytes=1 << 28, cpu_cores=1.0),
+        max_limits=JobLimits(memory_bytes=1 << 30, max_processes=500),
+    )
+    assert tokens.limits_for("team-b") == TenantLimits(max_limits=JobLimits(cpu_cores=0.5))
+    # An empty table sets nothing.
+    assert tokens.limits_for("team-c") == TenantLimits()
 
 
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:

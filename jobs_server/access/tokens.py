@@ -1,5 +1,6 @@
 """The tokens file (`--tokens-file`): API keys by digest, each with a tenant and a role, and
-optional caps per tenant. TOML, read with the standard library; checked whole before use.
+optional caps and job limits per tenant. TOML, read with the standard library; checked whole
+before use.
 
     [[keys]]
     name = "ci-team-a"            # optional: shown in audit lines instead of the key
@@ -13,6 +14,13 @@ optional caps per tenant. TOML, read with the standard library; checked whole be
     max_jobs = 5000               # and of its history (retention), within the server's
     max_age_s = 86400
     run_as = "team-a-jobs"        # optional: the Unix user its jobs run as (needs root)
+
+    [tenants.team-a.default_limits]   # optional: the limits of its jobs that give none
+    memory_bytes = 1_073_741_824      #   (each of memory_bytes, cpu_cores, max_processes)
+    cpu_cores = 1
+    [tenants.team-a.max_limits]       # optional: the most a job of it may ask for (a 400
+    memory_bytes = 8_589_934_592      #   above); a ceiling without a default is the default
+    max_processes = 1000
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from jobs_server.access.key_digest import DIGEST_PATTERN
+from jobs_server.manager.limits import LIMIT_FIELDS, JobLimits
 from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, RunAs, TenantLimits
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
@@ -49,6 +58,16 @@ class _KeyEntry(BaseModel):
     role: Role
 
 
+class _LimitsEntry(JobLimits):
+    """A tenant's `default_limits` or `max_limits`: JobLimits' fields and bounds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def limits(self) -> JobLimits | None:
+        """As the manager takes them; None if the table sets nothing."""
+        return None if self.is_empty() else JobLimits.model_validate(self.model_dump())
+
+
 class _TenantEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,6 +78,21 @@ class _TenantEntry(BaseModel):
     max_jobs: Annotated[int, Field(ge=1, strict=True)] | None = None
     max_age_s: Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)] | None = None
     run_as: Annotated[str, Field(min_length=1, max_length=64, strict=True)] | None = None
+    default_limits: _LimitsEntry | None = None
+    max_limits: _LimitsEntry | None = None
+
+    @model_validator(mode="after")
+    def _defaults_within_ceilings(self) -> _TenantEntry:
+        if self.default_limits is None or self.max_limits is None:
+            return self
+        for name in LIMIT_FIELDS:
+            default = getattr(self.default_limits, name)
+            ceiling = getattr(self.max_limits, name)
+            if default is not None and ceiling is not None and default > ceiling:
+                raise ValueError(
+                    f"default_limits.{name} ({default}) is above max_limits.{name} ({ceiling})"
+                )
+        return self
 
 
 class _TokensDocument(BaseModel):
@@ -139,6 +173,8 @@ def parse_tokens(text: str, *, source: str) -> TokensFile:
             max_jobs=entry.max_jobs,
             max_age_s=entry.max_age_s,
             run_as=users.get(tenant),
+            default_limits=None if entry.default_limits is None else entry.default_limits.limits(),
+            max_limits=None if entry.max_limits is None else entry.max_limits.limits(),
         )
         for tenant, entry in document.tenants.items()
     }

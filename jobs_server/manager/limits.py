@@ -59,3 +59,70 @@ class ResourceUsage(BaseModel):
     """Time its CPU limit held it back (cgroups only)."""
     oom_killed: bool = False
     """The kernel killed one of its processes for its memory limit."""
+
+
+LIMIT_FIELDS = ("memory_bytes", "cpu_cores", "max_processes")
+
+
+class LimitRefusedError(ValueError):
+    """A submit's limit that cannot be its job's: above its tenant's ceiling (or, enforced, an
+    entrypoint_memory below the least memory limit). `field` is as the client wrote it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def effective_limits(
+    requested: JobLimits | None,
+    *,
+    entrypoint_memory: int | None,
+    enforce_entrypoint_memory: bool,
+    tenant_default: JobLimits | None,
+    tenant_ceiling: JobLimits | None,
+    server_default: JobLimits | None,
+) -> JobLimits | None:
+    """The limits a job runs under; None if it has none of any kind. LimitRefusedError if the
+    job asks above its tenant's ceiling.
+
+    Per field: the request's value; else (memory, with --enforce-entrypoint-memory) its
+    entrypoint_memory; else the tenant's default, else the server's, each capped by the
+    tenant's ceiling; else the ceiling itself (a ceiling without a default caps every job).
+    """
+    values: dict[str, int | float | None] = {}
+    for name in LIMIT_FIELDS:
+        asked, field = _value(requested, name), f"limits.{name}"
+        # An entrypoint_memory of 0 reserves nothing: no limit from it.
+        if (
+            asked is None
+            and name == "memory_bytes"
+            and enforce_entrypoint_memory
+            and entrypoint_memory
+        ):
+            asked, field = entrypoint_memory, "entrypoint_memory"
+            if asked < MIN_MEMORY_BYTES:
+                raise LimitRefusedError(
+                    field,
+                    f"{asked} is below the least memory limit, {MIN_MEMORY_BYTES}"
+                    " (--enforce-entrypoint-memory makes it the job's memory limit)",
+                )
+        ceiling = _value(tenant_ceiling, name)
+        if asked is not None:
+            if ceiling is not None and asked > ceiling:
+                raise LimitRefusedError(field, f"{asked} is above its tenant's ceiling, {ceiling}")
+            values[name] = asked
+            continue
+        default = _value(tenant_default, name)
+        if default is None:
+            default = _value(server_default, name)
+        # The server's default may be above a tenant's ceiling (the tenant's own default never
+        # is: the tokens file is checked): the tenant gets its ceiling, not a 400 for a value it
+        # never asked for.
+        values[name] = min((v for v in (default, ceiling) if v is not None), default=None)
+    limits = JobLimits.model_validate(values)
+    return None if limits.is_empty() else limits
+
+
+def _value(limits: JobLimits | None, name: str) -> int | float | None:
+    value: int | float | None = None if limits is None else getattr(limits, name)
+    return value

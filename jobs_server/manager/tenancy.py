@@ -11,6 +11,8 @@ import pwd
 from dataclasses import dataclass
 from enum import StrEnum
 
+from jobs_server.manager.limits import JobLimits
+
 # The tenant of jobs submitted without tenants configured (no key, or the single admin key of
 # JOBS_SERVER_AUTH_TOKEN), and of jobs archived before tenants existed (tenant NULL).
 DEFAULT_TENANT = "default"
@@ -73,7 +75,8 @@ class RunAs:
 
 @dataclass(frozen=True)
 class TenantLimits:
-    """A tenant's caps (None: no cap of its own; the server-wide caps still apply). The
+    """A tenant's caps (None: no cap of its own; the server-wide caps still apply), and its
+    jobs' default and maximum resource limits. The
     retention caps are bounded by the server's (--retention-max-jobs, --retention-max-age-s):
     a larger value keeps nothing longer than the server does."""
 
@@ -85,6 +88,12 @@ class TenantLimits:
     """Seconds a finished job of the tenant is kept after it ended."""
     run_as: RunAs | None = None
     """The user the tenant's jobs run as (over `--jobs-user`); None: the server's default."""
+    default_limits: JobLimits | None = None
+    """Per kind, the limit of its jobs that give none (over the server's defaults,
+    `--job-memory-max-bytes`, ...)."""
+    max_limits: JobLimits | None = None
+    """Its ceilings: a job asking more is refused; one that gives none and has no default gets
+    the ceiling (limits.py `effective_limits`)."""
 
 
 NO_LIMITS = TenantLimits()
