@@ -10,8 +10,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
-from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager import limits as stored_limits
+from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,

@@ -53,6 +53,7 @@ from jobs_server.manager.archive.interface import create_archive
 from jobs_server.manager.archive.leadership import Leadership
 from jobs_server.manager.archive.retention import RetentionPolicy
 from jobs_server.manager.cluster.ray_cluster import CLUSTER_LOST_EXIT_CODE
+from jobs_server.manager.limits import JobLimits
 from jobs_server.manager.records import caching_record_parser
 from jobs_server.manager.tenancy import RunAs
 from jobs_server.metrics import ServerMetrics
@@ -243,7 +244,13 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         shared_supervisors=settings.shared_supervisors,
         jobs_nice=settings.jobs_nice,
         jobs_user=None if settings.jobs_user is None else RunAs.of(settings.jobs_user),
-        jobs_cgroup=settings.jobs_cgroup,
+        jobs_cgroup=None if settings.no_job_cgroups else settings.jobs_cgroup,
+        default_job_limits=JobLimits(
+            memory_bytes=settings.job_memory_max_bytes,
+            cpu_cores=settings.job_cpu_max_cores,
+            max_processes=settings.job_max_processes,
+        ),
+        enforce_entrypoint_memory=settings.enforce_entrypoint_memory,
         # Bounded like the rest of a graceful stop.
         stop_jobs_on_close_s=(
             max(settings.shutdown_timeout_s, settings.stop_grace_s + 1.0)
@@ -266,7 +273,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(
         connection.gcs_address,
-        jobs_cgroup=settings.jobs_cgroup,
+        jobs_cgroup=None if settings.no_job_cgroups else settings.jobs_cgroup,
         head_jobs_memory_max_bytes=settings.head_jobs_memory_max_bytes,
     )
     _use_backend(

@@ -41,6 +41,7 @@ from jobs_server.manager.in_doubt_submits import (
 )
 from jobs_server.manager.job_views import JobViews, in_scope, scoped
 from jobs_server.manager.launcher import Launcher
+from jobs_server.manager.limits import JobLimits, LimitRefusedError, effective_limits
 from jobs_server.manager.live.deferred_ends import DeferredEnds
 from jobs_server.manager.live.history import JobHistory
 from jobs_server.manager.live.kv import GcsKv
@@ -111,7 +112,9 @@ class JobManager:
         retry_backoff_s: float = DEFAULT_RETRY_BACKOFF_S,
         jobs_nice: int = 0,
         jobs_user: RunAs | None = None,
-        jobs_cgroup: str = DEFAULT_JOBS_CGROUP,
+        jobs_cgroup: str | None = DEFAULT_JOBS_CGROUP,
+        default_job_limits: JobLimits | None = None,
+        enforce_entrypoint_memory: bool = False,
         leadership: Leadership | None = None,
     ) -> None:
         self._log_dir = log_dir
@@ -122,6 +125,12 @@ class JobManager:
         self._leadership = leadership
         self._replica_id = new_replica_id() if leadership is None else leadership.leases.replica_id
         self._log_watchers = LogWatchers()
+        # The server's limits of a job that gives none (--job-memory-max-bytes, ...), below the
+        # tenant's defaults; `tenant_limits` is read at each submit (a tokens file re-read on
+        # SIGHUP applies at once).
+        self._default_job_limits = default_job_limits
+        self._enforce_entrypoint_memory = enforce_entrypoint_memory
+        self._tenant_limits = tenant_limits
         # When each followed job this replica does not watch was last found still running.
         self._end_checked_s: dict[str, float] = {}
         self._archive = archive
@@ -344,12 +353,31 @@ class JobManager:
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Record the job and hand it to a supervisor (or queue it, over a cap); return at
-        once, the job PENDING. QueueFullError (nothing recorded) if the queue is full."""
+        once, the job PENDING. `spec.limits` are what the client asked for: the job gets its
+        effective ones (limits.py), decided here, by the leader. QueueFullError (nothing
+        recorded) if the queue is full; InvalidRequestError if a limit is above the tenant's
+        ceiling."""
         await self._confirm_lead()
+        spec = self._with_effective_limits(spec, tenant)
         await validate_runtime_env(spec.runtime_env, self._packages, tenant=tenant)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
         return await asyncio.shield(self._record_and_hand_over(spec, tenant))
+
+    def _with_effective_limits(self, spec: JobSpec, tenant: str) -> JobSpec:
+        tenant_limits = self._tenant_limits(tenant)
+        try:
+            limits = effective_limits(
+                spec.limits,
+                entrypoint_memory=spec.entrypoint_memory,
+                enforce_entrypoint_memory=self._enforce_entrypoint_memory,
+                tenant_default=tenant_limits.default_limits,
+                tenant_ceiling=tenant_limits.max_limits,
+                server_default=self._default_job_limits,
+            )
+        except LimitRefusedError as error:
+            raise InvalidRequestError(str(error)) from None
+        return spec.model_copy(update={"limits": limits})
 
     async def _record_and_hand_over(self, spec: JobSpec, tenant: str) -> JobRecord:
         run_id = new_run_id()
