@@ -29,6 +29,37 @@ export function formatTime(ms) {
   return new Date(ms).toLocaleString();
 }
 
+const BINARY_UNITS = ["KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+
+/** A size in binary units people read: 512 B, 1.5 MiB, 200.0 MiB, 4.0 GiB; empty for none. */
+export function formatBytes(size) {
+  if (typeof size !== "number" || !Number.isFinite(size)) return "";
+  if (size < 1024) return `${size} B`;
+  let value = size;
+  let unit = "";
+  for (unit of BINARY_UNITS) {
+    value /= 1024;
+    if (value < 1024) break;
+  }
+  return `${value.toFixed(1)} ${unit}`;
+}
+
+/** CPU time to the hundredth of a second: 0.42 s, 1 min 1.25 s, 2 h 5 min 9 s; empty for none. */
+export function formatCpuSeconds(seconds) {
+  if (typeof seconds !== "number" || !Number.isFinite(seconds)) return "";
+  if (seconds < 60) return `${seconds.toFixed(2)} s`;
+  const minutes = Math.floor(seconds / 60);
+  const rest = seconds - minutes * 60;
+  if (minutes < 60) return `${minutes} min ${rest.toFixed(2)} s`;
+  return `${Math.floor(minutes / 60)} h ${minutes % 60} min ${Math.floor(rest)} s`;
+}
+
+/** User and system CPU seconds of a job or an attempt together; null when neither was measured. */
+export function cpuTotalSeconds(usage) {
+  const parts = [usage.cpu_user_s, usage.cpu_system_s].filter((part) => typeof part === "number");
+  return parts.length ? parts.reduce((sum, part) => sum + part, 0) : null;
+}
+
 /** Say something to screen-reader users without moving their focus. */
 export function announce(text) {
   const announcer = document.getElementById("announcer");

@@ -1,9 +1,13 @@
 // One job: its details, its log following live (SSE, resumed by byte offset), a download,
-// Stop and Delete behind a confirmation, the exit code and the message; with retries, its
-// attempts, each one's part of the log a click away (their log offsets split the log).
+// Stop and Delete behind a confirmation, the exit code and the message; its limits and what it
+// used (peak memory, CPU time); with retries, its attempts, each one's use and part of the log
+// a click away (their log offsets split the log).
 
 import { authHeaders, getJson, jobPath, request, sendJson } from "./api.js";
-import { announce, confirmAction, el, formatTime, replaceChildren, statusBadge } from "./dom.js";
+import {
+  announce, confirmAction, cpuTotalSeconds, el, formatBytes, formatCpuSeconds, formatTime,
+  replaceChildren, statusBadge,
+} from "./dom.js";
 import { watchJobs } from "./events.js";
 import { followEventStream } from "./sse.js";
 
@@ -11,12 +15,39 @@ const TERMINAL = new Set(["SUCCEEDED", "FAILED", "STOPPED"]);
 // A queued job's place and a retried job's attempts change with no event of their own: such a
 // job is read again this often.
 const QUIET_CHANGES_REFRESH_MS = 5000;
+const ATTEMPT_COLUMNS = [
+  "Attempt", "Started", "Ended", "Exit code", "Peak memory", "CPU user", "CPU system",
+  "CPU throttled", "Log",
+];
 
 /** What a job's retry options say: "up to 2, on exit codes 3, 137". */
 function retriesText(job) {
   if (!job.max_retries) return "none";
   const codes = job.retry_on_exit_codes;
   return `up to ${job.max_retries}, on ${codes ? `exit codes ${codes.join(", ")}` : "any non-zero exit code"}`;
+}
+
+/** What a job may use: "memory 1.0 GiB, 0.5 CPU cores, 64 processes"; "none". */
+function limitsText(limits) {
+  const parts = [];
+  if (typeof limits?.memory_bytes === "number") {
+    parts.push(`memory ${formatBytes(limits.memory_bytes)}`);
+  }
+  if (typeof limits?.cpu_cores === "number") {
+    parts.push(`${limits.cpu_cores} CPU ${limits.cpu_cores === 1 ? "core" : "cores"}`);
+  }
+  if (typeof limits?.max_processes === "number") {
+    parts.push(`${limits.max_processes} ${limits.max_processes === 1 ? "process" : "processes"}`);
+  }
+  return parts.length ? parts.join(", ") : "none";
+}
+
+/** CPU time, total first: "1.50 s (user 1.20 s, system 0.30 s)"; empty while unmeasured. */
+function cpuTimeText(usage) {
+  const total = cpuTotalSeconds(usage);
+  if (total === null) return "";
+  const part = (seconds) => formatCpuSeconds(seconds) || "unmeasured";
+  return `${formatCpuSeconds(total)} (user ${part(usage.cpu_user_s)}, system ${part(usage.cpu_system_s)})`;
 }
 
 /** The text-log URL of attempt `index`: from its offset to the next attempt's (or the end);
@@ -83,17 +114,22 @@ export function renderJob(main, jobId, { signal, onError }) {
         el("td", {}, formatTime(attempt.start_time)),
         el("td", {}, formatTime(attempt.end_time)),
         el("td", {}, attempt.exit_code ?? ""),
+        el("td", { "data-field": "peak-memory" }, formatBytes(attempt.peak_memory_bytes)),
+        el("td", { "data-field": "cpu-user" }, formatCpuSeconds(attempt.cpu_user_s)),
+        el("td", { "data-field": "cpu-system" }, formatCpuSeconds(attempt.cpu_system_s)),
+        el("td", { "data-field": "cpu-throttled" }, formatCpuSeconds(attempt.cpu_throttled_s)),
         el("td", {}, link));
     });
     replaceChildren(attemptsSection,
       el("h2", { id: "attempts-title" }, "Attempts"),
       el("table", { class: "jobs attempts" },
-        el("thead", {}, el("tr", {}, ["Attempt", "Started", "Ended", "Exit code", "Log"]
-          .map((name) => el("th", { scope: "col" }, name)))),
+        el("thead", {}, el("tr", {}, ATTEMPT_COLUMNS.map((name) => el("th", { scope: "col" }, name)))),
         el("tbody", {}, rows)));
   }
 
   function renderDetails() {
+    const lastAttempt = job.attempts?.at(-1);
+    const throttled = lastAttempt?.cpu_throttled_s;
     const rows = [
       ["Status", statusBadge(job.status)],
       ["Message", job.message ?? ""],
@@ -104,11 +140,16 @@ export function renderJob(main, jobId, { signal, onError }) {
       ["Submission id", job.submission_id],
       ["Started", formatTime(job.start_time)],
       ["Ended", formatTime(job.end_time)],
+      ["Limits", limitsText(job.limits)],
+      ["Peak memory", formatBytes(job.peak_memory_bytes)],
+      ["CPU time", cpuTimeText(job)],
+      // Only a CPU limit holds a job back: nothing to say without one.
+      typeof throttled === "number" ? ["CPU throttled", formatCpuSeconds(throttled)] : null,
       ["Metadata", Object.entries(job.metadata ?? {}).map(([key, value]) =>
         el("span", { class: "tag" }, `${key}=${value}`))],
       ["Runtime env", el("code", {}, JSON.stringify(job.runtime_env ?? {}))],
     ];
-    replaceChildren(details, rows.flatMap(([name, value]) => [
+    replaceChildren(details, rows.filter((row) => row !== null).flatMap(([name, value]) => [
       el("dt", {}, name),
       el("dd", { "data-field": name.toLowerCase().replaceAll(" ", "-") }, value),
     ]));

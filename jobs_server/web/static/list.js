@@ -1,14 +1,35 @@
 // The job list: a status filter, a search over ids and metadata, pages through the list API's
-// `limit`/`after` and its Link header, and rows that follow the event stream.
+// `limit`/`after` and its Link header, rows that follow the event stream, and what each job
+// used (peak memory, CPU time), by which the rows of the page on screen can be sorted.
 
 import { nextAfter, request } from "./api.js";
-import { el, formatTime, replaceChildren, statusBadge } from "./dom.js";
+import {
+  cpuTotalSeconds, el, formatBytes, formatCpuSeconds, formatTime, replaceChildren, statusBadge,
+} from "./dom.js";
 import { watchJobs } from "./events.js";
 
 export const PAGE_SIZE = 50;
 const STATUSES = ["PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED"];
 // Many events in a burst (a hundred submissions) cause one reload, not a hundred.
 const RELOAD_DEBOUNCE_MS = 200;
+// The columns the rows can be sorted by: a job's value in each (null: not measured).
+const SORT_KEYS = {
+  "peak-memory": { label: "Peak memory", value: (job) => job.peak_memory_bytes ?? null },
+  "cpu-time": { label: "CPU time", value: cpuTotalSeconds },
+};
+
+/** `jobs` in the server's order, or by `sort.key` (largest first unless ascending); jobs not
+ * measured last either way, in the server's order. */
+export function sortedJobs(jobs, sort) {
+  if (!sort.key) return jobs;
+  const value = SORT_KEYS[sort.key].value;
+  const direction = sort.ascending ? 1 : -1;
+  return [...jobs].sort((a, b) => {
+    const [left, right] = [value(a), value(b)];
+    if (left === null || right === null) return (left === null) - (right === null);
+    return direction * (left - right);
+  });
+}
 
 /** The list; `params` (from the address, `#/?status=RUNNING&limit=20`) set its first view. */
 export function renderJobList(main, { signal, onError, params = new URLSearchParams() }) {
@@ -18,6 +39,7 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
     search: params.get("search") ?? "",
     limit: Number.isInteger(requestedLimit) && requestedLimit > 0 ? requestedLimit : PAGE_SIZE,
     pageStarts: [null],
+    sort: { key: null, ascending: false },
     jobs: [],
     next: null,
   };
@@ -33,11 +55,25 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
   const next = el("button", { type: "button", id: "next-page" }, "Next page");
   const pageLabel = el("span", { id: "page-label", "aria-live": "polite" });
   const body = el("tbody");
+  // A sortable column's header is a button: a click sorts by it, largest first; again, smallest
+  // first; a third time, back to the server's order.
+  const sortHeaders = Object.entries(SORT_KEYS).map(([key, { label }]) => {
+    const button = el("button", { type: "button", class: "sort", "data-sort": key }, label);
+    button.addEventListener("click", () => {
+      const { sort } = state;
+      if (sort.key !== key) Object.assign(sort, { key, ascending: false });
+      else if (!sort.ascending) sort.ascending = true;
+      else Object.assign(sort, { key: null, ascending: false });
+      render();
+    });
+    return el("th", { scope: "col", "data-sort-column": key }, button);
+  });
   const table = el("table", { class: "jobs", "aria-describedby": "page-label" },
     el("caption", { class: "visually-hidden" }, "Jobs"),
     el("thead", {}, el("tr", {},
       ["Job", "Status", "Entrypoint", "Metadata", "Started", "Ended"]
-        .map((name) => el("th", { scope: "col" }, name)))),
+        .map((name) => el("th", { scope: "col" }, name)),
+      sortHeaders)),
     body);
   const empty = el("p", { class: "empty", hidden: true }, "No jobs.");
   statusFilter.value = state.status;
@@ -76,12 +112,20 @@ export function renderJobList(main, { signal, onError, params = new URLSearchPar
       el("td", {}, el("code", { class: "entrypoint" }, job.entrypoint)),
       el("td", {}, metadata),
       el("td", {}, formatTime(job.start_time)),
-      el("td", {}, formatTime(job.end_time)));
+      el("td", {}, formatTime(job.end_time)),
+      el("td", { "data-field": "peak-memory", class: "number" },
+        formatBytes(job.peak_memory_bytes)),
+      el("td", { "data-field": "cpu-time", class: "number" },
+        formatCpuSeconds(cpuTotalSeconds(job))));
   }
 
   function render() {
-    const shown = state.jobs.filter(matches);
+    const shown = sortedJobs(state.jobs.filter(matches), state.sort);
     replaceChildren(body, shown.map(row));
+    for (const header of sortHeaders) {
+      if (header.dataset.sortColumn !== state.sort.key) header.removeAttribute("aria-sort");
+      else header.setAttribute("aria-sort", state.sort.ascending ? "ascending" : "descending");
+    }
     empty.hidden = shown.length > 0;
     const page = state.pageStarts.length;
     pageLabel.textContent = `Page ${page}, ${shown.length} of ${state.jobs.length} jobs shown`;
