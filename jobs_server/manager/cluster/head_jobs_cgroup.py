@@ -29,15 +29,19 @@ MIN_HEAD_JOBS_MEMORY_BYTES = 256 << 20
 
 
 def default_head_jobs_memory_bytes(tree: JobsCgroupTree) -> int:
-    """MemAvailable + what the node's jobs use now - 1 GiB (at least 256 MiB)."""
-    available = _meminfo_bytes("MemAvailable")
+    """The default ceiling of this node's jobs, from what the node has now."""
+    return head_jobs_memory_default(meminfo_bytes("MemAvailable"), jobs_memory_usage(tree))
+
+
+def head_jobs_memory_default(available_bytes: int, jobs_bytes: int) -> int:
+    """MemAvailable + what the node's jobs use - 1 GiB, and at least 256 MiB."""
     return max(
-        MIN_HEAD_JOBS_MEMORY_BYTES,
-        available + jobs_memory_usage(tree) - CONTROL_PLANE_HEADROOM_BYTES,
+        MIN_HEAD_JOBS_MEMORY_BYTES, available_bytes + jobs_bytes - CONTROL_PLANE_HEADROOM_BYTES
     )
 
 
-def _meminfo_bytes(field: str) -> int:
+def meminfo_bytes(field: str) -> int:
+    """A field of /proc/meminfo, in bytes."""
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             name, _, value = line.partition(":")
@@ -56,11 +60,12 @@ def set_up_head_jobs_cgroup(jobs_cgroup: str, memory_max_bytes: int | None) -> J
         logger.info("removed the cgroup %s: its supervisor is gone", removed)
     if memory_max_bytes is None:
         memory_max_bytes = default_head_jobs_memory_bytes(tree)
-    if memory_max_bytes > 0:
-        try:
-            set_memory_ceiling(tree, memory_max_bytes)
-        except OSError as error:
-            logger.warning("the head's jobs run without a memory ceiling: %s", error)
-        else:
-            logger.info("the head's jobs may use %d bytes of memory together", memory_max_bytes)
+    try:
+        set_memory_ceiling(tree, memory_max_bytes or None)
+    except OSError as error:
+        logger.warning("the head's jobs run without a memory ceiling: %s", error)
+    else:
+        logger.info(
+            "the head's jobs may use %s bytes of memory together", memory_max_bytes or "any"
+        )
     return tree

@@ -191,13 +191,14 @@ def _check_writable(directory: str) -> None:
     os.rmdir(probe)
 
 
-def set_memory_ceiling(tree: JobsCgroupTree, memory_bytes: int) -> None:
-    """The head-wide ceiling: all the jobs of this node together (the server's node)."""
+def set_memory_ceiling(tree: JobsCgroupTree, memory_bytes: int | None) -> None:
+    """The head-wide ceiling: all the jobs of this node together (the server's node); None:
+    none."""
     if tree.support is LimitsSupport.CGROUP2:
-        _write(tree.directory_of("memory"), "memory.max", memory_bytes)
+        _write(tree.directory_of("memory"), "memory.max", memory_bytes or "max")
     elif tree.support is LimitsSupport.CGROUP1:
         memory = tree.directory_of("memory")
-        _write_v1_memory_limit(memory, memory_bytes)
+        _write_v1_memory_limit(memory, -1 if memory_bytes is None else memory_bytes)
 
 
 def jobs_memory_usage(tree: JobsCgroupTree) -> int:
