@@ -198,6 +198,10 @@ class JobAttempts:
                     run_as=job.run_as,
                     cgroup_procs=() if cgroup is None else cgroup.procs_files,
                 )
+        except asyncio.CancelledError:
+            if cgroup is not None:
+                cgroup.remove_now()  # the start killed what it began (fork_server.py)
+            raise
         except OSError as error:
             # A fork server that died as it started the command killed it: not its orphans.
             await kill_job_processes(job_token, other_roots=self._host.other_roots(run))
@@ -249,9 +253,7 @@ class JobAttempts:
             # Read once nothing of the attempt runs, then gone with it.
             self._last_usage = attempt_usage(cgroup, getattr(process, "rusage", None))
             if cgroup is not None:
-                cgroup.remove_now()
-                if not ending.cancelled():
-                    await cgroup.remove()
+                await cgroup.remove()
         usage = self._last_usage
         self._attempts[-1] = self._attempts[-1].model_copy(
             update={
