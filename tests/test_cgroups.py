@@ -26,7 +26,8 @@ from jobs_server.manager.cluster.head_jobs_cgroup import (
     meminfo_bytes,
     set_up_head_jobs_cgroup,
 )
-from jobs_server.manager.limits import JobLimits
+from jobs_server.manager.limits import JobLimits, ResourceUsage
+from jobs_server.manager.supervisor import cgroups as cgroups_module
 from jobs_server.manager.supervisor.cgroups import (
     AttemptCgroup,
     JobsCgroupTree,
@@ -284,3 +285,48 @@ async def _until(condition: object, timeout_s: float = 15) -> None:
     while not condition():  # type: ignore[operator]
         assert asyncio.get_running_loop().time() < deadline, "timed out"
         await asyncio.sleep(0.02)
+
+
+def test_the_v2_tree_passes_the_controllers_down_and_reads_v2s_files(tmp_path: Path) -> None:
+    """This host has no cgroup v2 controllers (all are in v1 hierarchies), so the v2 way is
+    checked here on a stand-in of the unified hierarchy's files: which files it reads and
+    writes, at which level, in which format. The kernel's side of v2 is not exercised."""
+    mount = tmp_path / "unified"
+    (mount / "service").mkdir(parents=True)
+    for level in (mount, mount / "service"):
+        (level / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+        (level / "cgroup.subtree_control").write_text("")
+    jobs = mount / "service" / "jobs"
+    jobs.mkdir()  # the kernel makes a new cgroup's files; the stand-in needs them made
+    (jobs / "cgroup.subtree_control").write_text("")
+
+    tree = cgroups_module._find_v2_tree({"": "/service"}, {"": str(mount)}, "jobs")
+    assert tree.support is LimitsSupport.CGROUP2
+    assert tree.directories == (str(jobs),)
+    for level in (mount, mount / "service"):
+        assert (level / "cgroup.subtree_control").read_text() == "+memory +cpu +pids"
+    assert (jobs / "cgroup.subtree_control").read_text() == "+memory +cpu +pids"
+
+    supervisor = jobs / "sup"
+    attempt = supervisor / "run-1"
+    attempt.mkdir(parents=True)
+    (supervisor / "cgroup.subtree_control").write_text("")
+    cgroup = AttemptCgroup(tree, (str(supervisor),), "run-1")
+    cgroup._set_limits(JobLimits(memory_bytes=64 * MiB, cpu_cores=1.5, max_processes=9))
+    assert (attempt / "memory.max").read_text() == str(64 * MiB)
+    assert (attempt / "memory.swap.max").read_text() == "0"
+    assert (attempt / "cpu.max").read_text() == "150000 100000"
+    assert (attempt / "pids.max").read_text() == "9"
+    (attempt / "memory.peak").write_text("1048576\n")
+    (attempt / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    (attempt / "cpu.stat").write_text(
+        "usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n"
+        "nr_periods 10\nnr_throttled 4\nthrottled_usec 300000\n"
+    )
+    assert cgroup.usage() == ResourceUsage(
+        peak_memory_bytes=MiB,
+        cpu_user_s=2.0,
+        cpu_system_s=0.5,
+        cpu_throttled_s=0.3,
+        oom_killed=True,
+    )
