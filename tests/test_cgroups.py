@@ -103,6 +103,25 @@ def test_limits_are_written_where_the_kernel_reads_them(tree: JobsCgroupTree) ->
     assert not any(os.path.exists(directory) for directory in cgroup.directories)
 
 
+def test_an_attempt_without_cpu_or_process_limits_stays_out_of_those_hierarchies(
+    tree: JobsCgroupTree,
+) -> None:
+    """Memory (its ceiling and peak) and cpuacct (its CPU time) always; cpu and pids only for
+    a limit there: each hierarchy is a mkdir, a join and an rmdir per job."""
+    dirs = make_supervisor_dirs(tree)
+    cgroup = AttemptCgroup.make(tree, dirs, "plain", JobLimits(memory_bytes=64 * MiB))
+    assert set(cgroup.directories) == {
+        os.path.join(tree.directory_of(name), supervisor_dir_name(), "plain")
+        for name in ("memory", "cpuacct")
+    }
+    for name in ("cpu", "pids"):
+        assert not os.path.exists(
+            os.path.join(tree.directory_of(name), supervisor_dir_name(), "plain")
+        )
+    assert cgroup.usage().cpu_throttled_s is None  # no CPU limit: nothing held it back
+    cgroup.remove_now()
+
+
 @pytest.mark.parametrize("containment", CONTAINMENTS)
 @pytest.mark.parametrize("clone_parent", [True, False], ids=["cloned", "forked-between"])
 async def test_every_process_of_a_forked_job_is_born_in_its_cgroup(
@@ -225,7 +244,7 @@ def test_a_sweep_removes_exactly_what_dead_supervisors_left(tree: JobsCgroupTree
     time tells) goes, with its attempts' cgroups and any process still in them; a live one's
     stays."""
     live = make_supervisor_dirs(tree)
-    AttemptCgroup.make(tree, live, "live-run-1", None)
+    live_attempt = AttemptCgroup.make(tree, live, "live-run-1", None)
     dead_pid = _exited_pid()
     dead_name = f"sup-{dead_pid}-1"
     reused_name = f"sup-{os.getpid()}-1"  # this pid, another start time
@@ -246,8 +265,8 @@ def test_a_sweep_removes_exactly_what_dead_supervisors_left(tree: JobsCgroupTree
         for directory in tree.directories
         for name in (dead_name, reused_name)
     )
-    for directory in live:
-        assert os.path.isdir(os.path.join(directory, "live-run-1"))
+    for directory in (*live, *live_attempt.directories):
+        assert os.path.isdir(directory)
 
 
 def _exited_pid() -> int:

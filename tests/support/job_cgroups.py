@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 V1_CONTROLLERS = ("memory", "cpu", "cpuacct", "pids")
+ALWAYS_V1_CONTROLLERS = ("memory", "cpuacct")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 SUPERVISOR_PREFIX = "sup-"
 # A cgroup whose last process was just killed is busy (EBUSY) until the kernel has taken it out.
@@ -88,8 +89,9 @@ class AttemptCgroup:
         return (self.directories[controller] / file_name).read_text().strip()
 
     def processes(self) -> list[int]:
-        """The pids in it (every hierarchy holds the same processes; the pids one is read)."""
-        return [int(pid) for pid in self.read("pids", "cgroup.procs").split()]
+        """The pids in it (every hierarchy it is in holds the same processes; the memory one,
+        which every attempt has, is read)."""
+        return [int(pid) for pid in self.read("memory", "cgroup.procs").split()]
 
     def exists(self) -> bool:
         """Whether any of its directories is left."""
@@ -141,14 +143,18 @@ class JobsCgroups:
                 parts = ()
             if len(parts) == 2 and parts[0].startswith(SUPERVISOR_PREFIX):
                 found[controller] = (parts[0], parts[1])
-        in_one = len(found) == len(roots) and len(set(found.values())) == 1
+        # v1: an attempt is always in the memory and cpuacct hierarchies, and in cpu and pids
+        # only for a limit there (cgroups.py); wherever it is, it is the one attempt.
+        required = set(roots) if support == "cgroup2" else set(ALWAYS_V1_CONTROLLERS)
+        in_one = required <= set(found) and len(set(found.values())) == 1
         assert in_one, (
             f"process {pid} (a job's first process) runs in no attempt cgroup under"
-            f" {self.name!r} (<jobs cgroup>/sup-<pid>-<ticks>/<run id>-<attempt>) in every"
-            f" hierarchy: its cgroups are {sorted((c, str(p)) for c, p in where.items())}"
+            f" {self.name!r} (<jobs cgroup>/sup-<pid>-<ticks>/<run id>-<attempt>) in the"
+            f" {sorted(required)} hierarchies: its cgroups are"
+            f" {sorted((c, str(p)) for c, p in where.items())}"
         )
         supervisor_dir, name = next(iter(found.values()))
-        return AttemptCgroup(supervisor_dir, name, where)
+        return AttemptCgroup(supervisor_dir, name, {c: where[c] for c in found})
 
     def supervisor_dirs(self, support: str) -> dict[str, list[str]]:
         """The `sup-*` directories in the tree, by controller."""

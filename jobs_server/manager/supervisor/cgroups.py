@@ -326,14 +326,30 @@ class AttemptCgroup:
     """One attempt's cgroup: made with its limits, joined by the attempt's first process
     (`procs_files`), read at its end (`usage`), then removed (`remove`)."""
 
-    def __init__(self, tree: JobsCgroupTree, supervisor_dirs: tuple[str, ...], name: str) -> None:
+    def __init__(
+        self,
+        tree: JobsCgroupTree,
+        supervisor_dirs: tuple[str, ...],
+        name: str,
+        limits: JobLimits | None = None,
+    ) -> None:
         self._tree = tree
         by_directory = dict(zip(tree.directories, supervisor_dirs, strict=True))
+        # v1: only the hierarchies this attempt needs. Memory (its limit, the head's ceiling,
+        # its peak) and cpuacct (its CPU time) always; cpu and pids for their limits. Each
+        # hierarchy is a mkdir, a join and an rmdir more per job.
+        limits = limits or JobLimits()
+        self._controllers = {"memory", "cpuacct"} | {
+            controller
+            for controller, limit in (("cpu", limits.cpu_cores), ("pids", limits.max_processes))
+            if limit is not None
+        }
         self._paths = {
             controller: os.path.join(by_directory[directory], name)
             for controller, directory in tree.controllers
+            if tree.support is LimitsSupport.CGROUP2 or controller in self._controllers
         }
-        self.directories = tuple(os.path.join(path, name) for path in supervisor_dirs)
+        self.directories = tuple(dict.fromkeys(self._paths.values()))
 
     @classmethod
     def make(
@@ -344,9 +360,10 @@ class AttemptCgroup:
         limits: JobLimits | None,
     ) -> AttemptCgroup:
         """Make the attempt's cgroup and set its limits (OSError if the host refuses)."""
-        cgroup = cls(tree, supervisor_dirs, name)
+        cgroup = cls(tree, supervisor_dirs, name, limits)
         for directory in cgroup.directories:
-            os.makedirs(directory, exist_ok=True)
+            with contextlib.suppress(FileExistsError):  # an attempt of a run met again
+                os.mkdir(directory)
         try:
             cgroup._set_limits(limits or JobLimits())
         except OSError:
@@ -375,7 +392,7 @@ class AttemptCgroup:
         if limits.memory_bytes is not None:
             _write_v1_memory_limit(paths["memory"], limits.memory_bytes)
         if limits.cpu_cores is not None:
-            _write(paths["cpu"], "cpu.cfs_period_us", CPU_PERIOD_US)
+            # Against the period a new cgroup starts with: CPU_PERIOD_US, the kernel's default.
             quota = max(1000, round(limits.cpu_cores * CPU_PERIOD_US))
             _write(paths["cpu"], "cpu.cfs_quota_us", quota)
         if limits.max_processes is not None:
@@ -403,7 +420,7 @@ class AttemptCgroup:
 
     def _v1_usage(self) -> ResourceUsage:
         paths = self._paths
-        cpu = _read_keyed(paths["cpu"], "cpu.stat")
+        cpu = _read_keyed(paths["cpu"], "cpu.stat") if "cpu" in paths else {}
         oom = _read_keyed(paths["memory"], "memory.oom_control")
         return ResourceUsage(
             peak_memory_bytes=_read_int(paths["memory"], "memory.max_usage_in_bytes"),
