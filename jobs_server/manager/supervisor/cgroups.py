@@ -446,17 +446,25 @@ class AttemptCgroup:
     def _remove_once(self) -> bool:
         left = False
         for directory in self.directories:
-            _kill_members(directory, self._tree.support)
-            try:
-                os.rmdir(directory)
-            except FileNotFoundError:
-                pass
-            except OSError as error:
-                if error.errno != errno.EBUSY:
-                    logger.warning("cannot remove the cgroup %s: %s", directory, error)
-                    continue
-                left = True
+            # Empty at almost every attempt's end (in a PID namespace always): the kill, a read
+            # of its processes, only where the rmdir finds some.
+            if not _removed(directory):
+                _kill_members(directory, self._tree.support)
+                left = not _removed(directory) or left
         return not left
+
+
+def _removed(directory: str) -> bool:
+    """Whether the cgroup at `directory` is gone now (False: busy, processes in it)."""
+    try:
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        if error.errno == errno.EBUSY:
+            return False
+        logger.warning("cannot remove the cgroup %s: %s", directory, error)
+    return True
 
 
 def _write(directory: str, name: str, value: int | str) -> None:
