@@ -81,6 +81,17 @@ async def test_jobs_past_the_heads_ceiling_are_killed_alone(
     assert "ceiling" in job["message"], job["message"]
     assert job["limits"] is None
 
+    # A limit of its own above the ceiling: the ceiling killed it, and its message says so.
+    roomy = await submit(
+        client,
+        entrypoint=f"{sys.executable} -c 'data = b\"x\" * (400 << 20)'",
+        limits={"memory_bytes": 1 << 30},
+    )
+    job = await until_status(client, roomy, TERMINAL_STATUSES)
+    assert (job["status"], job["error_type"]) == ("FAILED", "JOB_OUT_OF_MEMORY"), job
+    assert "ceiling" in job["message"], job["message"]
+    assert "1 GiB" not in job["message"], job["message"]
+
     assert (await details(client, sleeper))["status"] == "RUNNING"
     assert supervisor.is_running()
     go.touch()

@@ -147,6 +147,11 @@ def end_grace_within(run: JobRun, grace_period_s: float) -> StopDeadline:
     return run.stop_deadline
 
 
+# The share of its own memory limit a job killed for it has reached (its cgroup's peak reaches
+# the limit, give or take a page).
+OWN_LIMIT_REACHED = 0.99
+
+
 def out_of_memory_message(
     limits: JobLimits | None,
     usage: ResourceUsage,
@@ -157,12 +162,15 @@ def out_of_memory_message(
     """What a job the kernel killed for memory says: its limit (the job's own, else the
     head's ceiling for all the jobs there), its peak, and its last output."""
     limit = limits.memory_bytes if limits is not None else None
+    peak = usage.peak_memory_bytes
+    # A cgroup killed at its own limit peaked at it; below it, the ceiling of all the node's
+    # jobs was reached first.
+    at_its_own = limit is not None and (peak is None or peak >= limit * OWN_LIMIT_REACHED)
     which = (
         f"its memory limit of {format_bytes(limit)}"
-        if limit is not None
+        if at_its_own and limit is not None
         else "the memory ceiling of the node's jobs (--head-jobs-memory-max-bytes on the head)"
     )
-    peak = usage.peak_memory_bytes
     message = (
         f"Job ran out of memory: the kernel killed it at {which}"
         f"{'' if peak is None else f' (peak {format_bytes(peak)})'}"
