@@ -232,7 +232,7 @@ def measure_cgroup_ops(tree: JobsCgroupTree, operations: int, joins: int) -> Cgr
             time.sleep(spacing_s)
             cgroup = AttemptCgroup.make(tree, supervisor_dirs, f"join-{number}", LIMITS)
             try:
-                found.append(_timed_join_us(cgroup.procs_files))
+                found.append(_timed_join_us(cgroup.join_files))
             finally:
                 _remove(cgroup)
     for directory in supervisor_dirs:
@@ -267,7 +267,7 @@ async def _make_use_remove(
     ops.cycle_cpu_us = used_s / (2 * operations) * US_PER_S
 
 
-def _timed_join_us(procs_files: tuple[str, ...]) -> float:
+def _timed_join_us(join_files: tuple[str, ...]) -> float:
     """A forked child's join of the cgroup, timed in the child and sent back by a pipe."""
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -276,7 +276,7 @@ def _timed_join_us(procs_files: tuple[str, ...]) -> float:
         try:
             os.close(read_end)
             started_ns = time.perf_counter_ns()
-            _join(procs_files)
+            _join(join_files)
             os.write(write_end, struct.pack("q", time.perf_counter_ns() - started_ns))
         except BaseException:
             code = 1
@@ -289,13 +289,13 @@ def _timed_join_us(procs_files: tuple[str, ...]) -> float:
     finally:
         os.close(read_end)
     if os.waitstatus_to_exitcode(status) != 0 or len(answer) != 8:
-        raise RuntimeError(f"the child could not join {procs_files}")
+        raise RuntimeError(f"the child could not join {join_files}")
     return float(struct.unpack("q", answer)[0]) / 1e3
 
 
-def _join(procs_files: tuple[str, ...]) -> None:
+def _join(join_files: tuple[str, ...]) -> None:
     # As a job's first process joins its cgroup (containment.py's LAUNCH_SOURCE, join_cgroups).
-    for path in procs_files:
+    for path in join_files:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, b"0")

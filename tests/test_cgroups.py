@@ -72,8 +72,8 @@ def tree() -> Iterator[JobsCgroupTree]:
 
 def procs_of(cgroup: AttemptCgroup) -> set[int]:
     pids: set[int] = set()
-    for procs in cgroup.procs_files:
-        pids.update(int(pid) for pid in Path(procs).read_text().split())
+    for directory in cgroup.directories:
+        pids.update(int(pid) for pid in Path(directory, "cgroup.procs").read_text().split())
     return pids
 
 
@@ -137,7 +137,7 @@ async def test_every_process_of_a_forked_job_is_born_in_its_cgroup(
             log_path=tmp_path / "job.log",
             env=job_env("born"),
             containment=containment,
-            cgroup_procs=cgroup.procs_files,
+            cgroup_join_files=cgroup.join_files,
         )
         await _until(ready.exists)
         members = procs_of(cgroup)
@@ -165,7 +165,7 @@ async def test_a_launched_job_is_born_in_its_cgroup_too(
         log_path=tmp_path / "job.log",
         env=job_env("launched"),
         containment=containment,
-        cgroup_procs=cgroup.procs_files,
+        cgroup_join_files=cgroup.join_files,
     )
     try:
         # Marker containment: the shell is the process, and joins before it execs the job's.
@@ -187,7 +187,7 @@ async def test_a_job_whose_cgroup_refuses_it_fails_to_start_and_says_why(
                 log_path=tmp_path / "job.log",
                 env=job_env("refused"),
                 containment=Containment.PID_NAMESPACE,
-                cgroup_procs=(str(tmp_path / "no-such-cgroup" / "cgroup.procs"),),
+                cgroup_join_files=(str(tmp_path / "no-such-cgroup" / "cgroup.procs"),),
             )
     assert b"ran" not in (tmp_path / "job.log").read_bytes()
     cgroup.remove_now()
@@ -205,7 +205,7 @@ async def test_the_kernel_holds_a_job_to_its_memory_and_its_use_is_counted(
             log_path=tmp_path / "job.log",
             env=job_env("oom"),
             containment=Containment.PID_NAMESPACE,
-            cgroup_procs=cgroup.procs_files,
+            cgroup_join_files=cgroup.join_files,
         )
         assert await asyncio.wait_for(process.wait(), 30) != 0
     usage = attempt_usage(cgroup, process.rusage)

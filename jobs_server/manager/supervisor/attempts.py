@@ -196,7 +196,7 @@ class JobAttempts:
                     fork_server=self._host.fork_server(),
                     early_stop=early_stop,
                     run_as=job.run_as,
-                    cgroup_procs=() if cgroup is None else cgroup.procs_files,
+                    cgroup_join_files=() if cgroup is None else cgroup.join_files,
                 )
         except asyncio.CancelledError:
             if cgroup is not None:

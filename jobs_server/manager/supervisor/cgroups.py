@@ -12,8 +12,9 @@ and `pids` hierarchies) it is the same path in each hierarchy. Neither writable:
 (`LimitsSupport.NONE`); what a job used is then measured from its reaped processes (rusage).
 
 A job's first process (its namespace's init, or its launcher) moves itself into the attempt's
-cgroup before anything of the job runs (`JOIN_SOURCE`, in the fork server and the launcher), so
-every process of the job is born in it. The attempt's cgroup is removed at its end; when the
+cgroup before anything of the job runs (containment.py `join_cgroups`, in the fork server and
+the launcher; `AttemptCgroup.join_files` says through which files, and why those), so every
+process of the job is born in it. The attempt's cgroup is removed at its end; when the
 supervisor is killed, its guardian removes the supervisor's directory after killing its jobs;
 when both were (the node's crash, the embedded server's kill -9), the next supervisor or server
 on the node sweeps what dead supervisors left (`sweep_dead_supervisors`).
@@ -324,7 +325,7 @@ def _kill_members(path: str, support: LimitsSupport) -> None:
 
 class AttemptCgroup:
     """One attempt's cgroup: made with its limits, joined by the attempt's first process
-    (`procs_files`), read at its end (`usage`), then removed (`remove`)."""
+    (`join_files`), read at its end (`usage`), then removed (`remove`)."""
 
     def __init__(
         self,
@@ -372,9 +373,16 @@ class AttemptCgroup:
         return cgroup
 
     @property
-    def procs_files(self) -> tuple[str, ...]:
-        """The files the first process writes "0" to, to move itself in."""
-        return tuple(os.path.join(directory, "cgroup.procs") for directory in self.directories)
+    def join_files(self) -> tuple[str, ...]:
+        """The files the attempt's first process writes "0" to, to move itself in (its pid
+        need not be known: "0" is the writer). v1: `tasks`, which moves the writing thread
+        alone and so skips the kernel's global threadgroup lock, whose write side waits for an
+        RCU grace period when no migration came just before (about 10 ms on an idle host,
+        against 0.3 ms: benchmarks/job_limits.py). The first process is single-threaded (a
+        fork of the single-threaded fork server, or a launcher or shell before it starts
+        anything), so its thread is all of it. v2: `cgroup.procs` (`tasks` is v1's)."""
+        name = "cgroup.procs" if self._tree.support is LimitsSupport.CGROUP2 else "tasks"
+        return tuple(os.path.join(directory, name) for directory in self.directories)
 
     def _set_limits(self, limits: JobLimits) -> None:
         paths = self._paths

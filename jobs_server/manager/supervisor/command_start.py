@@ -50,7 +50,7 @@ async def start_entrypoint(
     fork_server: None = None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
-    cgroup_procs: tuple[str, ...] = (),
+    cgroup_join_files: tuple[str, ...] = (),
 ) -> asyncio.subprocess.Process: ...
 
 
@@ -64,7 +64,7 @@ async def start_entrypoint(
     fork_server: ForkServer | None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
-    cgroup_procs: tuple[str, ...] = (),
+    cgroup_join_files: tuple[str, ...] = (),
 ) -> CommandProcess: ...
 
 
@@ -77,12 +77,12 @@ async def start_entrypoint(
     fork_server: ForkServer | None = None,
     early_stop: EarlyStop | None = None,
     run_as: RunAs | None = None,
-    cgroup_procs: tuple[str, ...] = (),
+    cgroup_join_files: tuple[str, ...] = (),
 ) -> CommandProcess:
     """Run `entrypoint` with `/bin/sh -c` in a process group of its own (in the fork server's
     session, or a new one for a launcher started here; in a PID namespace of its own if
-    `containment` says so; in the attempt's cgroup whose `cgroup.procs` files are
-    `cgroup_procs`, if any); stdout and stderr go to the log. Return once the command runs (or
+    `containment` says so; in the attempt's cgroup whose join files are `cgroup_join_files`,
+    if any); stdout and stderr go to the log. Return once the command runs (or
     has been sent SIGTERM: `early_stop`).
 
     Through `fork_server` if given (a fork per job), else by starting a launcher (a Python start
@@ -97,17 +97,17 @@ async def start_entrypoint(
             env=env,
             containment=containment,
             early_stop=early_stop,
-            cgroup_procs=cgroup_procs,
+            cgroup_join_files=cgroup_join_files,
         )
     if containment != Containment.PID_NAMESPACE:
         # The shell itself: it runs when this returns, and a stop reaches it from then on.
-        argv = launch_argv(entrypoint, containment, None, cgroup_procs)
+        argv = launch_argv(entrypoint, containment, None, cgroup_join_files)
         return await _spawn(argv, log_path, env, ())
     started_r, started_w = os.pipe()
     try:
         try:
             process = await _spawn(
-                launch_argv(entrypoint, containment, started_w, cgroup_procs),
+                launch_argv(entrypoint, containment, started_w, cgroup_join_files),
                 log_path,
                 env,
                 (started_w,),

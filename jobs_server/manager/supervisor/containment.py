@@ -92,10 +92,11 @@ def fail(what, reason=None):
     os._exit(125)
 
 
-def join_cgroups(procs_files):
-    # This process moves itself into its attempt's cgroup (cgroups.py), before anything of the
-    # job runs: every process of the job is born in it. "0" is the writer, in any namespace.
-    for path in procs_files:
+def join_cgroups(join_files):
+    # This process moves itself into its attempt's cgroup (cgroups.py `join_files`), before
+    # anything of the job runs: every process of the job is born in it. "0" is the writer, in
+    # any namespace; this process is single-threaded, so its thread is all of it.
+    for path in join_files:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.write(fd, b"0")
@@ -250,10 +251,10 @@ def launch_argv(
     entrypoint: str,
     containment: Containment,
     started_fd: int | None,
-    cgroup_procs: tuple[str, ...] = (),
+    cgroup_join_files: tuple[str, ...] = (),
 ) -> list[str]:
-    """The command line that runs `entrypoint` under `containment`, in the cgroup whose
-    `cgroup.procs` files are `cgroup_procs` (cgroups.py; none: where it is). In a PID
+    """The command line that runs `entrypoint` under `containment`, in the cgroup whose join
+    files are `cgroup_join_files` (cgroups.py; none: where it is). In a PID
     namespace, the launcher closes `started_fd` (a pipe's end the child inherits) once the
     command runs."""
     # By value, not identity: the enum may arrive in a copy pickled with the supervisor's code.
@@ -267,8 +268,8 @@ def launch_argv(
             SHELL,
             entrypoint,
             str(-1 if started_fd is None else started_fd),
-            "\n".join(cgroup_procs),
+            "\n".join(cgroup_join_files),
         ]
-    if cgroup_procs:
-        return [SHELL, "-c", _JOIN_THEN_EXEC % SHELL, entrypoint, *cgroup_procs]
+    if cgroup_join_files:
+        return [SHELL, "-c", _JOIN_THEN_EXEC % SHELL, entrypoint, *cgroup_join_files]
     return [SHELL, "-c", entrypoint]

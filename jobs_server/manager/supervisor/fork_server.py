@@ -300,10 +300,10 @@ class ForkServer:
         env: Mapping[str, str],
         containment: Containment,
         early_stop: EarlyStop | None = None,
-        cgroup_procs: tuple[str, ...] = (),
+        cgroup_join_files: tuple[str, ...] = (),
     ) -> ForkedProcess:
         """Run `entrypoint` as `containment.launch_argv` would (its first process in the
-        cgroup of `cgroup_procs`); return once the command runs (or has been sent SIGTERM:
+        cgroup of `cgroup_join_files`); return once the command runs (or has been sent SIGTERM:
         `early_stop`). Raises OSError if it cannot start (the log would not open, the fork
         server died, the cgroup refused it)."""
         if self._process is None:
@@ -312,7 +312,7 @@ class ForkServer:
         started: asyncio.Future[ForkedProcess] = asyncio.get_running_loop().create_future()
         self._starting[job] = started
         fields = [str(job), str(containment), self._shell, os.fspath(log_path), entrypoint]
-        fields.append("\n".join(cgroup_procs))
+        fields.append("\n".join(cgroup_join_files))
         fields += [f"{name}={value}" for name, value in env.items()]
         if any("\0" in field for field in fields) or any(not n or "=" in n for n in env):
             del self._starting[job]

@@ -21,10 +21,10 @@ is, the launcher is forked twice, and the fork between exits at once so that the
 re-parented to the supervisor (a child subreaper).
 
 It reads requests on its stdin, each `<length>\\n` then NUL-separated fields: the job's number,
-its containment, the shell, the log's path, the entrypoint, the `cgroup.procs` files of its
-attempt's cgroup (newline-separated; empty: none) and the `NAME=value` of its environment.
-The job's first process joins that cgroup before it becomes anything (cgroups.py). It answers
-on its stdout, a line each:
+its containment, the shell, the log's path, the entrypoint, the files through which it joins
+its attempt's cgroup (cgroups.py `join_files`, newline-separated; empty: none) and the
+`NAME=value` of its environment. The job's first process joins that cgroup before it becomes
+anything. It answers on its stdout, a line each:
 
     forked <job> <pid>       the launcher's pid (written as it is cloned, before `started`)
     forked <job> <pid> init  the init's pid: the job's namespace has no launcher
