@@ -161,10 +161,11 @@ class SubmitJobRequest(BaseModel):
     def to_spec(self, new_submission_id: Callable[[], str]) -> JobSpec:
         """The job to run; `new_submission_id()` names it if the request did not. Every option
         the spec declares under the same name is taken as it is (pydantic converts a list to
-        the spec's tuple), a null one as the spec's default: a new option is declared here and
-        in `JobSpec`, and copied nowhere."""
+        the spec's tuple, and a nested model's fields to the spec's model: `limits`), a null
+        one as the spec's default: a new option is declared here and in `JobSpec`, and copied
+        nowhere."""
         options = {
-            name: value
+            name: value.model_dump() if isinstance(value, BaseModel) else value
             for name in shared_fields(type(self), JobSpec)
             if (value := getattr(self, name)) is not None
         }

@@ -96,6 +96,7 @@ SUPERVISOR_MAY_USE = {
     "errors.py",
     "manager/__init__.py",
     "manager/records.py",
+    "manager/limits.py",
     "manager/tenancy.py",
     "manager/logs.py",
     "manager/log_watch.py",

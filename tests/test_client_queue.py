@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -71,7 +72,8 @@ async def test_submit_with_retries_and_status_shows_the_attempts(
         "exit code 0",
     ]
     # Each line gives where its attempt's output begins: "attempt N\n" is 10 bytes.
-    assert [lines[0].rsplit(" ", 1)[1] for lines in attempts] == ["0", "10", "20"]
+    offsets = [re.search(r"log from byte (\d+)", lines[0]) for lines in attempts]
+    assert [offset and offset[1] for offset in offsets] == ["0", "10", "20"], attempts
 
     code, details, _ = await cli(server, "status", job_id, "--json")
     job = json.loads(details)

@@ -31,7 +31,14 @@ def sample_of(annotation: Any, name: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         return sample_of(next(arg for arg in args if arg is not type(None)), name)
     if origin is typing.Annotated:
-        return sample_of(args[0], name)
+        sample = sample_of(args[0], name)
+        # At least a lower bound it declares (a memory limit's 1 MiB).
+        for constraint in args[1:]:
+            for rule in getattr(constraint, "metadata", [constraint]):
+                lowest = getattr(rule, "ge", None)
+                if lowest is not None and sample < lowest:
+                    sample = lowest
+        return sample
     if annotation is str:
         return f"sample-{name}"
     if annotation is bool:
@@ -46,6 +53,12 @@ def sample_of(annotation: Any, name: str) -> Any:
         return {"sample": sample_of(args[1], name)}
     if origin in (tuple, list):
         return [sample_of(args[0], name)]
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        # A nested option (`limits`): each of its fields sampled in turn.
+        return {
+            field: sample_of(info.annotation, f"{name}.{field}")
+            for field, info in annotation.model_fields.items()
+        }
     raise AssertionError(f"no sample of {annotation!r} for {name}: add one to sample_of")
 
 
