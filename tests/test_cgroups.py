@@ -133,7 +133,9 @@ async def test_every_process_of_a_forked_job_is_born_in_its_cgroup(
     ready = tmp_path / "ready"
     async with subreaper_fork_server(clone_parent=clone_parent) as forks:
         process = await forks.spawn(
-            f"setsid sleep 30 & echo $! > {ready}.tmp; mv {ready}.tmp {ready}; wait",
+            # Shell builtins after the sleeper's start: no process of the job comes or goes
+            # while the test compares (a transient `mv` was once a member, not yet a child).
+            f"setsid sleep 30 & echo $! > {ready}; wait",
             log_path=tmp_path / "job.log",
             env=job_env("born"),
             containment=containment,
@@ -144,7 +146,7 @@ async def test_every_process_of_a_forked_job_is_born_in_its_cgroup(
         # The first process (in a PID namespace, the node's pid of its init), its shell, the
         # escaped sleeper: all of it, and nothing else.
         job = {p.pid for p in psutil.Process(process.pid).children(recursive=True)}
-        assert members == job | {process.pid}
+        assert members == job | {process.pid}, (members, job, process.pid)
         assert len(members) >= 2  # the shell and its sleeper (and an init, or a launcher)
         # The shell's group; the escaped sleeper is left to the cgroup's removal to kill.
         os.killpg(process.pid, 9)

@@ -27,13 +27,14 @@ from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.web_page import UI_TIMEOUT_MS, open_page
 
-# README's screenshot is rewritten only when asked (`JOBS_SERVER_UPDATE_SCREENSHOT=1`): each run's
-# image differs (ids, times), and a test run must not leave the checkout changed.
+# README's screenshot is rewritten only when asked (`UPDATE_SCREENSHOT=1`): each run's
+# image differs (ids, times), and a test run must not leave the checkout changed. Not a
+# JOBS_SERVER_* name: conftest clears those from the environment before any test runs.
 README_SCREENSHOT_PATH = Path(__file__).resolve().parent.parent / "docs" / "screenshot.png"
 
 
 def screenshot_path(tmp_path: Path) -> Path:
-    if os.environ.get("JOBS_SERVER_UPDATE_SCREENSHOT") == "1":
+    if os.environ.get("UPDATE_SCREENSHOT") == "1":
         return README_SCREENSHOT_PATH
     return tmp_path / "screenshot.png"
 
