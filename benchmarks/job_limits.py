@@ -12,7 +12,7 @@ In this order:
 1. The cgroup operations themselves, in this process (the supervisor's work on the start path):
    `AttemptCgroup.make` + `usage` + `remove` of an empty cgroup, `--cgroup-ops` times each
    without and with limits; and a forked child joining its cgroup (its writes to the
-   `cgroup.procs` files: what a job's first process does before anything of the job runs).
+   join files (v1: `tasks`): what a job's first process does before anything of the job runs).
 2. Job starts: the three servers on one Ray head, each warmed up, then `--jobs` sequential
    `true` jobs each, in interleaved blocks (the machine's load drifts alike for all three), each
    job polled until it ended.
@@ -709,7 +709,7 @@ def ops_rows(ops: CgroupOps) -> list[str]:
         f"| make + usage + remove, limits | {cells(ops.cycle_limits_us)} |",
         f"| CPU (user + system) per make + usage + remove, mean | "
         f"{'—' if ops.cycle_cpu_us is None else f'{ops.cycle_cpu_us:.0f}'} | |",
-        f"| a child's join (its writes to `cgroup.procs`), back to back "
+        f"| a child's join (its writes to the join files, v1 `tasks`), back to back "
         f"({len(ops.join_back_to_back_us)}) | {cells(ops.join_back_to_back_us)} |",
         f"| a child's join, one every {JOIN_SPACING_S * 1000:.0f} ms "
         f"({len(ops.join_spaced_us)}) | {cells(ops.join_spaced_us)} |",
@@ -848,8 +848,8 @@ METHOD_NOTES = [
     "The cgroup operations: in this process, on a jobs cgroup of its own under its own cgroup "
     "(as a supervisor's), `AttemptCgroup.make` then `usage()` then `await remove()` on an "
     "empty cgroup, alternately without and with the limits. The join: a forked child writes "
-    "`0` to the cgroup's `cgroup.procs` files (containment.py's `join_cgroups`, as a job's first "
-    "process does) and times that, back to back and one every "
+    "`0` to the cgroup's join files (v1: `tasks`; containment.py's `join_cgroups`, as a "
+    "job's first process does) and times that, back to back and one every "
     f"{JOIN_SPACING_S * 1000:.0f} ms (as the sequential jobs above come).",
     "The burst: `benchmarks/queue.py`'s, on a fresh server per run in the order ABBA; "
     "completed per second is its figure (jobs / from the first POST until the archive has no "
