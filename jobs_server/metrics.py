@@ -11,6 +11,7 @@ unlimited cap is exported as +Inf, so `used / cap` is 0 rather than missing)."""
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 from collections.abc import Iterable, Mapping
@@ -67,11 +68,8 @@ class Distribution:
         self.total = 0.0
 
     def observe(self, value: float) -> None:
-        index = next(
-            (i for i, bound in enumerate(self.upper_bounds) if value <= bound),
-            len(self.upper_bounds),
-        )
-        self.counts[index] += 1
+        # The first bucket whose upper bound is at or above the value (`le`).
+        self.counts[bisect.bisect_left(self.upper_bounds, value)] += 1
         self.total += value
 
     def cumulative_buckets(self) -> list[tuple[str, float]]:

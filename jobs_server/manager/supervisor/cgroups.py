@@ -68,11 +68,15 @@ class JobsCgroupTree:
     """The node's jobs cgroup: its directory in each hierarchy it needs (v2: one)."""
 
     support: LimitsSupport
-    directories: tuple[str, ...] = ()
-    """Absolute directories; for v1, in the order of `V1_CONTROLLERS` (a directory appears
-    once where hierarchies are mounted together, e.g. `cpu,cpuacct`)."""
     controllers: tuple[tuple[str, str], ...] = ()
-    """(controller, directory) for each controller used."""
+    """(controller, absolute directory) for each controller used; for v1, in the order of
+    `V1_CONTROLLERS`."""
+
+    @property
+    def directories(self) -> tuple[str, ...]:
+        """Each directory once (v2: one; v1: one per hierarchy, hierarchies mounted together,
+        e.g. `cpu,cpuacct`, sharing one)."""
+        return tuple(dict.fromkeys(directory for _, directory in self.controllers))
 
     def directory_of(self, controller: str) -> str:
         return dict(self.controllers)[controller]
@@ -148,19 +152,14 @@ def _find_v2_tree(own: dict[str, str], mounts: dict[str, str], jobs_cgroup: str)
         missing = [name for name in V2_CONTROLLERS if name not in available]
         if missing:
             raise LookupError(f"{parent} has no {', '.join(missing)} controller")
-        enabled = (parent / "cgroup.subtree_control").read_text().split()
-        wanted = [f"+{name}" for name in V2_CONTROLLERS if name not in enabled]
-        if wanted:
-            # Refused (EBUSY) where the parent holds processes: it must be delegated to us.
-            (parent / "cgroup.subtree_control").write_text(" ".join(wanted))
+        # Refused (EBUSY) where the parent holds processes: it must be delegated to us.
+        _enable_v2_subtree(str(parent))
         parent = parent / part
         parent.mkdir(exist_ok=True)
     _enable_v2_subtree(directory)
     _check_writable(directory)
     return JobsCgroupTree(
-        LimitsSupport.CGROUP2,
-        directories=(directory,),
-        controllers=tuple((name, directory) for name in V2_CONTROLLERS),
+        LimitsSupport.CGROUP2, controllers=tuple((name, directory) for name in V2_CONTROLLERS)
     )
 
 
@@ -179,11 +178,11 @@ def _find_v1_tree(own: dict[str, str], mounts: dict[str, str], jobs_cgroup: str)
     controllers = tuple(
         (name, mounts[name] + _resolve(own[name], jobs_cgroup)) for name in V1_CONTROLLERS
     )
-    directories = tuple(dict.fromkeys(directory for _, directory in controllers))
-    for directory in directories:
+    tree = JobsCgroupTree(LimitsSupport.CGROUP1, controllers=controllers)
+    for directory in tree.directories:
         os.makedirs(directory, exist_ok=True)
         _check_writable(directory)
-    return JobsCgroupTree(LimitsSupport.CGROUP1, directories=directories, controllers=controllers)
+    return tree
 
 
 def _check_writable(directory: str) -> None:
