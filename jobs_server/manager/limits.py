@@ -30,7 +30,7 @@ class JobLimits(BaseModel):
     """What one attempt of a job may use; None: no limit of that kind."""
 
     # A limit a newer server added is ignored by an older supervisor (the boundary's model,
-    # api_models.SubmitLimits, refuses unknown fields).
+    # api_models.JobLimitsRequest, and the tokens file's tables refuse unknown fields).
     model_config = ConfigDict(frozen=True, extra="ignore")
 
     memory_bytes: MemoryBytes | None = None
@@ -61,7 +61,7 @@ class ResourceUsage(BaseModel):
     """The kernel killed one of its processes for its memory limit."""
 
 
-LIMIT_FIELDS = ("memory_bytes", "cpu_cores", "max_processes")
+LIMIT_FIELDS = tuple(JobLimits.model_fields)
 
 
 class LimitRefusedError(ValueError):

@@ -229,12 +229,11 @@ def _write_v1_memory_limit(directory: str, memory_bytes: int) -> None:
         _write(directory, "memory.limit_in_bytes", memory_bytes)
 
 
-def supervisor_dir_name(pid: int | None = None) -> str:
-    """This process's (or `pid`'s) directory name: its pid and start time, which no later
-    process of the same pid has."""
-    pid = os.getpid() if pid is None else pid
-    start = _start_ticks(pid)
-    return f"{SUPERVISOR_DIR_PREFIX}{pid}-{start}"
+def supervisor_dir_name() -> str:
+    """This process's directory name: its pid and start time, which no later process of the
+    same pid has."""
+    pid = os.getpid()
+    return f"{SUPERVISOR_DIR_PREFIX}{pid}-{_start_ticks(pid)}"
 
 
 def _start_ticks(pid: int) -> int | None:
