@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -12,14 +12,27 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager import limits as stored_limits
 from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.outbox import DeliveryState, WebhookDelivery
 from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,
     MAX_RETRY_EXIT_CODES,
     MIN_EXIT_CODE,
 )
-from jobs_server.manager.records import MAX_PRIORITY, MIN_PRIORITY, JobAttempt
+from jobs_server.manager.records import (
+    MAX_PRIORITY,
+    MIN_PRIORITY,
+    DependencyCondition,
+    JobAttempt,
+)
 from jobs_server.manager.replica import ReplicaState
+from jobs_server.manager.webhook_events import (
+    ALL_WEBHOOK_EVENTS,
+    MAX_NOTIFY_TARGETS,
+    NotifyTarget,
+    WebhookEventType,
+    WebhookUrl,
+)
 
 SUBMISSION_ID_PATTERN = r"^[A-Za-z0-9._-]{1,255}$"
 # Records live in the GCS and are listed whole: keep each one small.
@@ -105,6 +118,41 @@ class JobLimits(stored_limits.JobLimits):
     """Extension: the limits a job runs under, in its details (every field, null for none)."""
 
 
+# A job waits for at most this many others (a fan-in; a chain is one each).
+MAX_DEPENDENCIES = 100
+
+
+class JobDependencyRequest(BaseModel):
+    """Extension: a job the submitted one waits for (`depends_on`), and what it waits for."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    submission_id: SubmissionId
+    condition: DependencyCondition = DependencyCondition.SUCCEEDED
+
+
+class NotifyRequest(BaseModel):
+    """Extension: a webhook of the job's own (`notify`), signed with its tenant's secret."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: WebhookUrl
+    events: Annotated[list[WebhookEventType], Field(min_length=1)] = Field(
+        default_factory=lambda: list(ALL_WEBHOOK_EVENTS)
+    )
+
+
+def _distinct_dependencies(
+    dependencies: list[JobDependencyRequest],
+) -> list[JobDependencyRequest]:
+    seen: set[str] = set()
+    for dependency in dependencies:
+        if dependency.submission_id in seen:
+            raise ValueError(f"{dependency.submission_id!r} is listed more than once")
+        seen.add(dependency.submission_id)
+    return dependencies
+
+
 class SubmitJobRequest(BaseModel):
     """`POST /api/jobs/`: what Ray's `JobSubmissionClient.submit_job` sends."""
 
@@ -140,6 +188,17 @@ class SubmitJobRequest(BaseModel):
     limits: JobLimitsRequest | None = Field(
         None, description="Extension: memory, CPU and processes the job may use (enforced)."
     )
+    depends_on: (
+        Annotated[
+            list[JobDependencyRequest],
+            Field(max_length=MAX_DEPENDENCIES),
+            AfterValidator(_distinct_dependencies),
+        ]
+        | None
+    ) = Field(None, description="Extension: jobs that must end first, and how.")
+    notify: Annotated[list[NotifyRequest], Field(max_length=MAX_NOTIFY_TARGETS)] | None = Field(
+        None, description="Extension: webhooks of the job's own."
+    )
 
     @model_validator(mode="after")
     def _bounded_sizes(self) -> SubmitJobRequest:
@@ -165,12 +224,21 @@ class SubmitJobRequest(BaseModel):
         one as the spec's default: a new option is declared here and in `JobSpec`, and copied
         nowhere."""
         options = {
-            name: value.model_dump() if isinstance(value, BaseModel) else value
+            name: _plain(value)
             for name in shared_fields(type(self), JobSpec)
             if (value := getattr(self, name)) is not None
         }
         options["submission_id"] = self.submission_id or self.job_id or new_submission_id()
         return JobSpec(**options)
+
+
+def _plain(value: Any) -> Any:
+    """A request's option as the spec takes it: models (alone or in a list) as their fields."""
+    if isinstance(value, BaseModel):
+        return value.model_dump()
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    return value
 
 
 class SubmitJobResponse(BaseModel):
@@ -302,6 +370,27 @@ class JobAttemptDetails(BaseModel):
         return cls(**{name: getattr(attempt, name) for name in cls.model_fields})
 
 
+class JobDependencyDetails(BaseModel):
+    """Extension: a job this one depends on, its condition, and whether it is met now."""
+
+    submission_id: str
+    condition: DependencyCondition
+    met: bool | None = Field(
+        description="Whether that job has ended as the condition asks (null: not known here)."
+    )
+
+
+class NotifyTargetDetails(BaseModel):
+    """Extension: a webhook of the job's own."""
+
+    url: str
+    events: list[WebhookEventType]
+
+    @classmethod
+    def from_target(cls, target: NotifyTarget) -> NotifyTargetDetails:
+        return cls(url=target.url, events=list(target.events))
+
+
 class JobDetails(BaseModel):
     """Ray's `JobDetails`: every field present, null where unknown."""
 
@@ -334,11 +423,22 @@ class JobDetails(BaseModel):
     peak_memory_bytes: int | None = Field(description="Extension: its last attempt's.")
     cpu_user_s: float | None = Field(description="Extension: its last attempt's.")
     cpu_system_s: float | None = Field(description="Extension: its last attempt's.")
+    depends_on: list[JobDependencyDetails] = Field(
+        description="Extension: the jobs it waits for (or waited for), and which are met."
+    )
+    notify: list[NotifyTargetDetails] = Field(description="Extension: its own webhooks.")
 
     @classmethod
-    def from_record(cls, record: JobRecord, driver: RayDriver | None = None) -> JobDetails:
+    def from_record(
+        cls,
+        record: JobRecord,
+        driver: RayDriver | None = None,
+        *,
+        dependencies_met: Mapping[str, bool] | None = None,
+    ) -> JobDetails:
         """The job's details; `driver` is the Ray driver its command started, if it did (by
-        default the one written with the job's end)."""
+        default the one written with the job's end); `dependencies_met`: by submission id,
+        whether each job it depends on has met its condition (None: not known)."""
         spec = record.spec
         if driver is None:
             driver = record.ray_driver
@@ -362,6 +462,16 @@ class JobDetails(BaseModel):
         options["entrypoint_resources"] = spec.entrypoint_resources or None
         if spec.limits is not None:
             options["limits"] = JobLimits(**spec.limits.model_dump())
+        met = dependencies_met or {}
+        options["depends_on"] = [
+            JobDependencyDetails(
+                submission_id=dependency.submission_id,
+                condition=dependency.condition,
+                met=met.get(dependency.submission_id),
+            )
+            for dependency in spec.depends_on
+        ]
+        options["notify"] = [NotifyTargetDetails.from_target(target) for target in spec.notify]
         last_attempt = record.attempts[-1] if record.attempts else None
         return cls(
             **options,
@@ -382,6 +492,58 @@ class JobDetails(BaseModel):
             cpu_user_s=last_attempt.cpu_user_s if last_attempt else None,
             cpu_system_s=last_attempt.cpu_system_s if last_attempt else None,
         )
+
+
+class WebhookDeliveryDetails(BaseModel):
+    """Extension: one webhook delivery of a job's event, and its attempts so far."""
+
+    id: str = Field(description="Its `webhook-id` header: the same at every attempt.")
+    event_id: int = Field(description="The event (`GET /api/events`) that caused it.")
+    event_type: WebhookEventType
+    url: str
+    state: DeliveryState
+    attempts: int
+    created_at: int
+    last_attempt_at: int | None
+    next_attempt_at: int | None = Field(description="When it is tried again (pending only).")
+    last_status_code: int | None
+    last_error: str | None
+    delivered_at: int | None
+
+    @classmethod
+    def from_delivery(cls, delivery: WebhookDelivery) -> WebhookDeliveryDetails:
+        pending = delivery.state is DeliveryState.PENDING
+        return cls(
+            id=delivery.id,
+            event_id=delivery.event_id,
+            event_type=delivery.event_type,
+            url=delivery.url,
+            state=delivery.state,
+            attempts=delivery.attempts,
+            created_at=delivery.created_ms,
+            last_attempt_at=delivery.last_attempt_ms,
+            next_attempt_at=delivery.next_attempt_ms if pending else None,
+            last_status_code=delivery.last_status_code,
+            last_error=delivery.last_error,
+            delivered_at=delivery.delivered_ms,
+        )
+
+
+class JobDeliveriesResponse(BaseModel):
+    """Extension: `GET /api/jobs/{id}/deliveries`, oldest first."""
+
+    deliveries: list[WebhookDeliveryDetails]
+
+
+class WebhookPayload(BaseModel):
+    """Extension: the body of a webhook POST (Standard Webhooks' envelope): the event's type,
+    when it happened, its id in the event stream, and the job's details as they were then. An
+    envelope, not the details with fields added: the details have a `type` of their own."""
+
+    type: WebhookEventType
+    timestamp: str = Field(description="When the event happened (ISO 8601, UTC).")
+    event_id: int
+    data: JobDetails
 
 
 class StreamedJobEvent(BaseModel):

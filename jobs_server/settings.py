@@ -210,6 +210,38 @@ class Settings(BaseSettings):
             " the memory available when the server starts, less 1 GiB (README); 0: none."
         ),
     )
+    webhook_secret_file: Path | None = Field(
+        None,
+        description=(
+            "A file holding the `whsec_...` secret (one per line while one is rotated) that"
+            " signs the webhooks of jobs whose tenant has none of its own. Without it (and"
+            " without a tenant secret) a job's `notify` is refused."
+        ),
+    )
+    webhook_allow_http: bool = Field(
+        False, description="Webhook URLs may be http:// (default: https:// only)."
+    )
+    webhook_allow_private: bool = Field(
+        False,
+        description=(
+            "Webhooks may go to loopback, link-local and private addresses (default: refused,"
+            " at submit and at each send, whatever a name resolves to then)."
+        ),
+    )
+    webhook_retry_max_s: float = Field(
+        86_400.0,
+        gt=0,
+        description=(
+            "How long a webhook delivery is retried (exponential backoff with jitter) after"
+            " its event before it is given up (FAILED)."
+        ),
+    )
+    webhook_timeout_s: float = Field(
+        10.0, gt=0, le=300, description="The most one webhook attempt may take, end to end."
+    )
+    webhook_max_in_flight: int = Field(
+        64, ge=1, le=10_000, description="Webhook deliveries sent at once."
+    )
     max_running_jobs: int | None = Field(
         None,
         ge=1,

@@ -3,6 +3,7 @@ reaches the spec, the job's details and its supervisor without being copied by h
 
 from __future__ import annotations
 
+import enum
 import types
 import typing
 from pathlib import Path
@@ -53,6 +54,8 @@ def sample_of(annotation: Any, name: str) -> Any:
         return {"sample": sample_of(args[1], name)}
     if origin in (tuple, list):
         return [sample_of(args[0], name)]
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return list(annotation)[-1].value  # the last: never the first, a default's usual place
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         # A nested option (`limits`): each of its fields sampled in turn.
         return {
@@ -109,6 +112,9 @@ def test_every_option_of_the_spec_the_details_declare_reaches_the_details() -> N
     assert "priority" in declared
     assert "entrypoint_label_selector" not in declared  # Ray's details have no such field
     dumped = spec.model_dump(mode="json")
+    # A dependency's details add whether it is met now (null: not asked here).
+    for dependency in details["depends_on"]:
+        assert dependency.pop("met") is None
     assert {name: details[name] for name in declared} == {name: dumped[name] for name in declared}
 
 

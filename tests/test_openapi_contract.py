@@ -39,7 +39,7 @@ from tests.support.openapi_contract import (
 # Body limits small enough that the 413s cost nothing to provoke.
 BODY_LIMIT_BYTES = 4096
 # Document schemas that are parts of models rather than models of their own.
-SHARED_SCHEMAS = {"SubmissionId", "JobStatus"}
+SHARED_SCHEMAS = {"SubmissionId", "JobStatus", "DependencyCondition", "WebhookEventType"}
 # Documented answers the exchange cannot provoke cheaply, with why.
 NOT_PROVOKED = {
     "500": "needs a broken cluster or a bug",

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from jobs_server.manager.limits import JobLimits
 from jobs_server.manager.tenancy import DEFAULT_TENANT
+from jobs_server.manager.webhook_events import NotifyTarget
 
 # Parses a server's caching_record_parser keeps: a couple of thousand live jobs (~4 KiB each).
 PARSED_RECORDS_KEPT = 2048
@@ -51,6 +52,42 @@ class JobErrorType(StrEnum):
     JOB_ENTRYPOINT_COMMAND_ERROR = "JOB_ENTRYPOINT_COMMAND_ERROR"
     JOB_OUT_OF_MEMORY = "JOB_OUT_OF_MEMORY"
     """Ours: the kernel killed the command's processes for its memory limit."""
+    DEPENDENCY_NEVER_SATISFIED = "DEPENDENCY_NEVER_SATISFIED"
+    """Ours: a job it depends on ended otherwise than its condition asks (or was deleted), so
+    its command never ran."""
+
+
+class DependencyCondition(StrEnum):
+    """What a job waits for of a job it depends on (Slurm's afterok, afternotok, afterany)."""
+
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    """It ended FAILED or STOPPED: anything but success (Slurm's afternotok)."""
+    ENDED = "ended"
+
+    def holds(self, status: JobStatus) -> bool:
+        """Whether a job with `status` satisfies the condition (only a terminal one can)."""
+        if not status.is_terminal():
+            return False
+        if self is DependencyCondition.SUCCEEDED:
+            return status is JobStatus.SUCCEEDED
+        if self is DependencyCondition.FAILED:
+            return status is not JobStatus.SUCCEEDED
+        return True
+
+    def can_still_hold(self, status: JobStatus | None) -> bool:
+        """Whether the condition holds or may yet (None: the job was deleted, so it never
+        will unless it already held)."""
+        return status is not None and (not status.is_terminal() or self.holds(status))
+
+
+class JobDependency(BaseModel):
+    """A job this one waits for, and what it waits for of it."""
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    submission_id: str
+    condition: DependencyCondition = DependencyCondition.SUCCEEDED
 
 
 def new_run_id() -> str:
@@ -91,6 +128,11 @@ class JobSpec(BaseModel):
     limits: JobLimits | None = None
     """The limits each attempt runs under: the effective ones (limits.py), defaults filled in
     at submit; None: none."""
+    depends_on: tuple[JobDependency, ...] = ()
+    """Jobs that must end as their conditions say before this one enters the queue (each of
+    the same tenant, and in the archive at its submit: no cycle can form)."""
+    notify: tuple[NotifyTarget, ...] = ()
+    """Webhooks of this job's own, beside its tenant's (webhook_events.py)."""
 
     def needs_own_supervisor(self) -> bool:
         """A runtime env beyond env_vars, or resources, need an actor of the job's own; any other
@@ -178,6 +220,9 @@ class JobRecord(BaseModel):
     """When the job was handed to its supervisor (unix ms): its start timeout counts from here,
     not from its submit (`start_time`), so time spent in the queue is not time spent starting.
     None in a record an earlier server wrote: the start timeout counts from `start_time`."""
+    dependencies_met_time: int | None = None
+    """When every job it depends on had ended as its condition asks (unix ms): it entered the
+    queue then. None while it waits, and for a job without dependencies."""
     log_dir_id: str | None = None
     """The id of the log directory the job's log is written to (logs.py `log_dir_id`), set at
     its hand-over: a server on another log directory answers its log reads 503 rather than an

@@ -1,0 +1,152 @@
+"""The webhooks' outbox: each delivery a change of a job causes is a row of the archive, written
+in the same transaction as the change and its event, so a delivery is never lost between the
+change and its sending (a server killed in between finds it at its start).
+
+Deliveries are sent (jobs_server/webhooks/) by whichever server or replica claims them first: a
+claim moves the delivery's `next_attempt_ms` past the time a send may take (a visibility
+timeout), so a replica that dies mid-send leaves its claims to the others once they expire.
+Each attempt's outcome is written back; a receiver's 2xx ends the delivery, a 410 disables its
+endpoint (its pending deliveries end DISABLED, and no more are written for it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+from typing import NamedTuple, Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from jobs_server.manager.records import JobRecord, JobStatus
+from jobs_server.manager.webhook_events import WebhookEventType
+
+
+class DeliveryState(StrEnum):
+    PENDING = "pending"
+    """Not yet accepted: its next attempt is at `next_attempt_ms`."""
+    DELIVERED = "delivered"
+    """A receiver answered 2xx."""
+    FAILED = "failed"
+    """Given up: its retries ran past `--webhook-retry-max-s` (or its target was refused)."""
+    DISABLED = "disabled"
+    """Its endpoint answered 410 Gone (to it or to another delivery): never sent again."""
+
+
+class TargetSource(StrEnum):
+    """Where a delivery's target came from, and so which secrets sign it."""
+
+    TENANT = "tenant"
+    """The tenant's `webhooks` in the tokens file: the endpoint's secrets, else the tenant's."""
+    JOB = "job"
+    """The job's own `notify`: its tenant's secrets, else `--webhook-secret-file`'s."""
+
+
+class PlannedDelivery(NamedTuple):
+    url: str
+    source: TargetSource
+
+
+# What the archive asks, inside the transaction of a change, for each webhook event the change
+# is: the targets to deliver it to (the job's `notify`, its tenant's endpoints). Called on the
+# archive's writing thread: it must not block, nor touch the event loop.
+DeliveryPlanner = Callable[[JobRecord, WebhookEventType], Sequence[PlannedDelivery]]
+
+
+def no_deliveries(record: JobRecord, event_type: WebhookEventType) -> Sequence[PlannedDelivery]:
+    """The planner of an archive without webhooks."""
+    return ()
+
+
+class WebhookDelivery(BaseModel):
+    """One event of one job to one target, and what became of its attempts so far."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    """Its `webhook-id` (`msg_...`): the same at every attempt, so receivers can deduplicate."""
+    event_id: int
+    """The archive's event (`GET /api/events`) that caused it."""
+    event_type: WebhookEventType
+    submission_id: str
+    tenant: str
+    url: str
+    source: TargetSource
+    record: str
+    """The job as it was at the event (JSON of its JobRecord): the body's `data`."""
+    created_ms: int
+    state: DeliveryState = DeliveryState.PENDING
+    attempts: int = 0
+    next_attempt_ms: int | None = None
+    last_attempt_ms: int | None = None
+    last_status_code: int | None = None
+    last_error: str | None = None
+    delivered_ms: int | None = None
+
+
+def ended_attempts(record: JobRecord) -> int:
+    return sum(1 for attempt in record.attempts if attempt.end_time is not None)
+
+
+def webhook_event_of(
+    stored_status: JobStatus | None, stored_ended_attempts: int, record: JobRecord
+) -> WebhookEventType | None:
+    """The webhook event that writing `record` over a row of `stored_status` (None: a new row)
+    with `stored_ended_attempts` is, if any: a start, an end, or a failed attempt that another
+    follows (the job RUNNING still, one more attempt ended)."""
+    status = record.status
+    if status == stored_status:
+        if status is JobStatus.RUNNING and ended_attempts(record) > stored_ended_attempts:
+            return WebhookEventType.RETRYING
+        return None
+    return _EVENT_OF_STATUS.get(status)
+
+
+_EVENT_OF_STATUS = {
+    JobStatus.RUNNING: WebhookEventType.STARTED,
+    JobStatus.SUCCEEDED: WebhookEventType.SUCCEEDED,
+    JobStatus.FAILED: WebhookEventType.FAILED,
+    JobStatus.STOPPED: WebhookEventType.STOPPED,
+}
+
+
+class Outbox(Protocol):
+    """The archive's side of webhook deliveries (both stores)."""
+
+    async def claim_due_deliveries(
+        self, now_ms: int, limit: int, claim_ms: int
+    ) -> list[WebhookDelivery]:
+        """Up to `limit` PENDING deliveries due by `now_ms`, oldest first, each claimed (its
+        `next_attempt_ms` moved to `now_ms + claim_ms`) in the same transaction, so no other
+        sender takes them meanwhile."""
+        ...
+
+    async def next_delivery_due_ms(self) -> int | None:
+        """When the next PENDING delivery is due (None: none is pending)."""
+        ...
+
+    async def record_delivery_attempt(
+        self,
+        delivery_id: str,
+        *,
+        state: DeliveryState,
+        at_ms: int,
+        next_attempt_ms: int | None,
+        status_code: int | None,
+        error: str | None,
+    ) -> bool:
+        """Write one attempt's outcome (attempts + 1); False if the delivery is no longer
+        PENDING (another sender finished it, or its endpoint was disabled)."""
+        ...
+
+    async def disable_webhook_endpoint(self, tenant: str, url: str, at_ms: int) -> int:
+        """The endpoint answered 410: no delivery is written for it again, and its PENDING ones
+        end DISABLED; how many did."""
+        ...
+
+    async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:
+        """The job's deliveries, oldest first."""
+        ...
+
+    async def count_deliveries(self) -> dict[DeliveryState, int]:
+        """Deliveries kept, by state (for /metrics)."""
+        ...
