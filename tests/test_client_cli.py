@@ -22,6 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 from pydantic import SecretStr
 
@@ -291,6 +292,8 @@ async def test_delete_of_a_running_job_says_why_it_cannot(
         (["submit", "--env", "=x", "--", "true"], "expected KEY=VALUE"),
         (["submit", "--working-dir", "./project", "--", "true"], "expected a URL"),
         (["submit", "--wait", "--follow", "--", "true"], "not allowed with"),
+        (["submit", "--after", "", "--", "true"], "expected a job's submission id"),
+        (["submit", "--notify", "hooks.example.com", "--", "true"], "expected an https:// URL"),
         (["submit"], "CMD"),
         (["logs"], "ID"),
         (["list", "--url", "127.0.0.1:8266"], "expected http://HOST:PORT"),
@@ -548,3 +551,121 @@ async def test_a_log_piped_into_head_ends_quietly(
     stdout, stderr = await process.communicate()
     assert stdout == b"x" * 10
     assert stderr == b""
+
+
+# Issue 36: dependencies and webhooks in the client.
+
+
+async def test_submit_after_options_send_depends_on_and_notify(
+    fake_server: TestServer, fake: FakeJobManager
+) -> None:
+    url = url_of(fake_server)
+    for parent in ("prep", "train", "check"):
+        await running_fake_job(fake_server, fake, parent)
+    code, stdout, stderr = await run_cli(
+        "submit", "--url", url, "--submission-id", "report",
+        "--after", "prep", "--after-failed", "check", "--after-any", "train",
+        "--notify", "https://hooks.example.com/jobs", "--notify", "https://hooks.example.com/b",
+        "--", "true",
+    )  # fmt: skip
+    assert (code, stdout) == (0, b"report\n"), stderr
+    spec = (await fake.get_job("report")).spec
+    # In the order given, each with the condition of its option.
+    assert [(d.submission_id, d.condition.value) for d in spec.depends_on] == [
+        ("prep", "succeeded"),
+        ("check", "failed"),
+        ("train", "ended"),
+    ]
+    assert [(target.url, len(target.events)) for target in spec.notify] == [
+        ("https://hooks.example.com/jobs", 5),  # every event
+        ("https://hooks.example.com/b", 5),
+    ]
+    # Without the options the body has neither field (an older server refuses unknown fields).
+    code, _, stderr = await run_cli("submit", "--url", url, "--submission-id", "plain", "--", "x")
+    assert code == 0, stderr
+    assert (await fake.get_job("plain")).spec.depends_on == ()
+
+
+STUB_JOB: dict[str, Any] = {
+    "submission_id": "report",
+    "status": "PENDING",
+    "entrypoint": "make report",
+    "message": "Job is waiting for prep (succeeded), check (failed).",
+    "depends_on": [
+        {"submission_id": "prep", "condition": "succeeded", "met": True},
+        {"submission_id": "check", "condition": "failed", "met": False},
+        {"submission_id": "train", "condition": "ended", "met": None},
+    ],
+    "notify": [{"url": "https://hooks.example.com/jobs", "events": ["job.succeeded"]}],
+}
+STUB_DELIVERIES: list[dict[str, Any]] = [
+    {
+        "id": "msg_1", "event_id": 7, "event_type": "job.started",
+        "url": "https://hooks.example.com/jobs", "state": "delivered", "attempts": 2,
+        "created_at": 1_700_000_000_000, "last_attempt_at": 1_700_000_001_000,
+        "next_attempt_at": None, "last_status_code": 200, "last_error": None,
+        "delivered_at": 1_700_000_001_000,
+    },
+    {
+        "id": "msg_2", "event_id": 9, "event_type": "job.succeeded",
+        "url": "https://hooks.example.com/jobs", "state": "pending", "attempts": 1,
+        "created_at": 1_700_000_000_000, "last_attempt_at": 1_700_000_002_000,
+        "next_attempt_at": 1_700_000_009_000, "last_status_code": None,
+        "last_error": "connection refused", "delivered_at": None,
+    },
+]  # fmt: skip
+
+
+async def stub_server(
+    aiohttp_server: AiohttpServer, deliveries: list[dict[str, Any]] | None
+) -> TestServer:
+    """A server that knows one job, and its deliveries (None: a server without that route)."""
+    app = web.Application()
+
+    async def get_job(request: web.Request) -> web.Response:
+        return web.json_response(STUB_JOB)
+
+    async def get_deliveries(request: web.Request) -> web.Response:
+        if deliveries is None:
+            return web.json_response(
+                {"error": {"code": "not_found", "message": "Not Found"}}, status=404
+            )
+        return web.json_response({"deliveries": deliveries})
+
+    app.router.add_get("/api/jobs/report", get_job)
+    app.router.add_get("/api/jobs/report/deliveries", get_deliveries)
+    return await aiohttp_server(app)
+
+
+async def test_status_shows_dependencies_and_webhook_deliveries(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    server = await stub_server(aiohttp_server, STUB_DELIVERIES)
+    code, stdout, stderr = await run_cli("status", "report", "--url", url_of(server))
+    assert code == 0, stderr
+    lines = stdout.decode().splitlines()
+    assert "dependency.1:  after prep succeeded: met" in lines
+    assert "dependency.2:  after check failed: not met" in lines
+    assert "dependency.3:  after train ended: not known" in lines
+    assert "notify.1:      https://hooks.example.com/jobs (job.succeeded)" in lines
+    deliveries = [line for line in lines if line.startswith("delivery.")]
+    assert deliveries[0] == (
+        "delivery.1:    job.started to https://hooks.example.com/jobs: delivered, 2 attempts,"
+        " last HTTP 200"
+    )
+    assert deliveries[1].startswith(
+        "delivery.2:    job.succeeded to https://hooks.example.com/jobs: pending, 1 attempt,"
+        " last error: connection refused, next at "
+    )
+    assert len(deliveries) == 2
+    assert lines[-1].startswith("message:")  # the message stays last
+
+
+async def test_status_on_a_server_without_deliveries_shows_the_job(
+    aiohttp_server: AiohttpServer,
+) -> None:
+    server = await stub_server(aiohttp_server, None)
+    code, stdout, stderr = await run_cli("status", "report", "--url", url_of(server))
+    assert (code, stderr) == (0, "")
+    assert b"dependency.1:  after prep succeeded: met" in stdout
+    assert b"delivery." not in stdout

@@ -110,6 +110,30 @@ def add_client_commands(commands: Any) -> None:
         help="retry only an attempt that exits with CODE (repeat for more; default: any"
         " non-zero code)",
     )
+    chain = submit.add_argument_group(
+        "dependencies and webhooks", "the job waits (PENDING) until every dependency holds"
+    )
+    for option, condition, what in (
+        ("--after", "succeeded", "has succeeded (Slurm's afterok)"),
+        ("--after-failed", "failed", "has failed or was stopped (afternotok)"),
+        ("--after-any", "ended", "has ended, however (afterany)"),
+    ):
+        chain.add_argument(
+            option,
+            type=_dependency(condition),
+            action="append",
+            dest="depends_on",
+            metavar="ID",
+            help=f"run once job ID {what} (repeat for more)",
+        )
+    chain.add_argument(
+        "--notify",
+        type=_webhook_url,
+        action="append",
+        metavar="URL",
+        help="POST every event of the job to URL, signed (repeat for more; the server decides"
+        " which addresses it may call)",
+    )
     submit.add_argument("cmd", nargs="+", metavar="CMD", help="the command, after `--`")
     submit.set_defaults(client_command=run_submit)
 
@@ -197,9 +221,11 @@ async def run_submit(client: JobsClient, args: argparse.Namespace) -> int:
         body["runtime_env"] = runtime_env
     if args.metadata:
         body["metadata"] = dict(args.metadata)
-    for field in ("priority", "max_retries", "retry_on_exit_codes"):
+    for field in ("priority", "max_retries", "retry_on_exit_codes", "depends_on"):
         if getattr(args, field) is not None:
             body[field] = getattr(args, field)
+    if args.notify:
+        body["notify"] = [{"url": url} for url in args.notify]
     job_id = await client.submit_job(body)
     if args.follow:
         print(f"jobs-server: submitted {job_id}", file=sys.stderr, flush=True)
@@ -242,7 +268,7 @@ async def run_status(client: JobsClient, args: argparse.Namespace) -> int:
     if args.json:
         print_json(job, sys.stdout)
     else:
-        print_job(job, sys.stdout)
+        print_job(job, sys.stdout, deliveries=await client.get_deliveries(args.job_id))
     return 0
 
 
@@ -266,6 +292,23 @@ def _key_value(text: str) -> tuple[str, str]:
     if not equals or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     return key, value
+
+
+def _dependency(condition: str) -> Callable[[str], dict[str, str]]:
+    """An `--after*` option's ID as a `depends_on` entry with that option's condition."""
+
+    def dependency(job_id: str) -> dict[str, str]:
+        if not job_id.strip():
+            raise argparse.ArgumentTypeError("expected a job's submission id")
+        return {"submission_id": job_id, "condition": condition}
+
+    return dependency
+
+
+def _webhook_url(text: str) -> str:
+    if not text.startswith(("https://", "http://")):
+        raise argparse.ArgumentTypeError(f"expected an https:// URL, got {text!r}")
+    return text
 
 
 def _url(text: str) -> str:

@@ -107,6 +107,18 @@ class JobsClient:
         answer: dict[str, Any] = await self._json("GET", job_path(job_id))
         return answer
 
+    async def get_deliveries(self, job_id: str) -> list[dict[str, Any]] | None:
+        """The job's webhook deliveries, oldest first; None from a server without them (404:
+        older than webhooks, as the job itself was just read)."""
+        try:
+            answer = await self._json("GET", job_path(job_id, "/deliveries"))
+        except ServerError as error:
+            if error.status == 404:
+                return None
+            raise
+        deliveries: list[dict[str, Any]] = answer["deliveries"]
+        return deliveries
+
     async def list_jobs(self, *, status: str | None, limit: int | None) -> list[dict[str, Any]]:
         params = {}
         if status:

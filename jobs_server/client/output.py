@@ -38,9 +38,11 @@ def print_job_table(jobs: Sequence[dict[str, Any]], out: TextIO) -> None:
         out.write("  ".join([*cells, row[-1]]).rstrip() + "\n")
 
 
-def print_job(job: dict[str, Any], out: TextIO) -> None:
-    """One job's details, a field a line (an attempt of its command a line); the message last
-    (it may be long)."""
+def print_job(
+    job: dict[str, Any], out: TextIO, *, deliveries: Sequence[dict[str, Any]] | None = None
+) -> None:
+    """One job's details, a field a line (an attempt of its command, a dependency, a webhook
+    delivery a line); the message last (it may be long)."""
     fields = [
         ("submission_id", job.get("submission_id")),
         ("status", job.get("status")),
@@ -62,6 +64,18 @@ def print_job(job: dict[str, Any], out: TextIO) -> None:
     fields += [
         (f"attempt.{number}", describe_attempt(attempt))
         for number, attempt in enumerate(job.get("attempts") or [], start=1)
+    ]
+    fields += [
+        (f"dependency.{number}", describe_dependency(dependency))
+        for number, dependency in enumerate(job.get("depends_on") or [], start=1)
+    ]
+    fields += [
+        (f"notify.{number}", f"{target.get('url')} ({', '.join(target.get('events') or [])})")
+        for number, target in enumerate(job.get("notify") or [], start=1)
+    ]
+    fields += [
+        (f"delivery.{number}", describe_delivery(delivery))
+        for number, delivery in enumerate(deliveries or [], start=1)
     ]
     fields.append(("message", job.get("message")))
     for name, value in fields:
@@ -90,6 +104,29 @@ def describe_attempt(attempt: dict[str, Any]) -> str:
     if attempt.get("cpu_throttled_s") is not None:
         used.append(f"throttled {format_cpu_seconds(attempt['cpu_throttled_s'])}")
     return ", ".join(used)
+
+
+def describe_dependency(dependency: dict[str, Any]) -> str:
+    """A job this one waits for, and whether that is met: "after prep succeeded: met"."""
+    met = dependency.get("met")
+    met_text = "not known" if met is None else "met" if met else "not met"
+    return f"after {dependency.get('submission_id')} {dependency.get('condition')}: {met_text}"
+
+
+def describe_delivery(delivery: dict[str, Any]) -> str:
+    """A webhook delivery on a line: its event, its target, its state and its last attempt."""
+    attempts = delivery.get("attempts") or 0
+    parts = [
+        f"{delivery.get('event_type')} to {delivery.get('url')}: {delivery.get('state')}",
+        f"{attempts} {'attempt' if attempts == 1 else 'attempts'}",
+    ]
+    if delivery.get("last_status_code") is not None:
+        parts.append(f"last HTTP {delivery['last_status_code']}")
+    if delivery.get("last_error"):
+        parts.append(f"last error: {delivery['last_error']}")
+    if delivery.get("next_attempt_at") is not None:
+        parts.append(f"next at {format_time(delivery['next_attempt_at'])}")
+    return ", ".join(parts)
 
 
 def describe_limits(limits: dict[str, Any] | None) -> str | None:
