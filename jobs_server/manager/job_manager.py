@@ -116,8 +116,12 @@ class JobManager:
         default_job_limits: JobLimits | None = None,
         enforce_entrypoint_memory: bool = False,
         leadership: Leadership | None = None,
+        validate_notify: Callable[[JobSpec, str], None] | None = None,
     ) -> None:
         self._log_dir = log_dir
+        # Checks a submit's webhook targets (`notify`) for its tenant before anything is
+        # recorded: InvalidRequestError for a refused URL.
+        self._validate_notify = validate_notify
         # Its id (logs.py `log_dir_id`), learnt at start.
         self._log_dir_id: str | None = None
         # This replica's part among those sharing a database (leadership.py): the leader does
@@ -359,6 +363,8 @@ class JobManager:
         ceiling."""
         await self._confirm_lead()
         spec = self._with_effective_limits(spec, tenant)
+        if self._validate_notify is not None:
+            self._validate_notify(spec, tenant)
         await validate_runtime_env(spec.runtime_env, self._packages, tenant=tenant)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.

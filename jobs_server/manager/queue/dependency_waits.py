@@ -1,0 +1,196 @@
+"""Jobs that wait for others to end (`depends_on`): plain logic, no I/O.
+
+A job submitted with dependencies is archived PENDING and held here (by the leader) until each
+job it depends on has ended as its condition asks; then it enters the queue. If one can no
+longer hold (the job ended otherwise, or was deleted before it held) it never will: the waiting
+job ends FAILED (`DEPENDENCY_NEVER_SATISFIED`). An index from each job waited for to the jobs
+that wait for it makes an end cost only its own dependents.
+
+`learn` may be told the same end twice (an event, and a read of the statuses made after the
+registration): a condition that held stays held (a terminal status is final), and a job is
+resolved once, when it leaves the waits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+
+from jobs_server.manager.records import DependencyCondition, JobDependency, JobRecord, JobStatus
+
+# A waiting job's message names at most this many of the jobs it waits for (ids are bounded
+# too, so the message is).
+NAMED_IN_MESSAGE = 5
+
+_WANTED = {
+    DependencyCondition.SUCCEEDED: "to succeed",
+    DependencyCondition.FAILED: "to fail or stop",
+    DependencyCondition.ENDED: "to end",
+}
+
+
+class Outcome(Enum):
+    MET = "met"
+    """Every condition holds: the job enters the queue."""
+    NEVER = "never"
+    """One can no longer hold: the job ends FAILED, DEPENDENCY_NEVER_SATISFIED."""
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A waiting job decided, taken out of the waits."""
+
+    record: JobRecord
+    outcome: Outcome
+    reason: str = ""
+    """Why it never will (the job's message), for NEVER."""
+
+
+@dataclass
+class _Wait:
+    record: JobRecord
+    pending: dict[str, DependencyCondition] = field(default_factory=dict)
+    """The conditions that do not hold yet, by the id of the job they are on."""
+
+
+def needs_wait(record: JobRecord) -> bool:
+    """Whether an unfinished job still waits for its dependencies (none met yet)."""
+    return bool(record.spec.depends_on) and record.dependencies_met_time is None
+
+
+def waiting_message(dependencies: Iterable[JobDependency], of_total: int | None = None) -> str:
+    """'Waiting for prepare-1 to succeed', or 'Waiting for 3 of 10 jobs: a to succeed, b to
+    end, ...' (at most NAMED_IN_MESSAGE named)."""
+    waiting = list(dependencies)
+    total = len(waiting) if of_total is None else of_total
+    named = ", ".join(
+        f"{dependency.submission_id} {_WANTED[dependency.condition]}"
+        for dependency in waiting[:NAMED_IN_MESSAGE]
+    )
+    if len(waiting) > NAMED_IN_MESSAGE:
+        named += f" and {len(waiting) - NAMED_IN_MESSAGE} more"
+    if total == 1 and len(waiting) == 1:
+        return f"Waiting for {named}"
+    count = f"{len(waiting)} jobs" if len(waiting) == total else f"{len(waiting)} of {total} jobs"
+    return f"Waiting for {count}: {named}"
+
+
+def never_message(
+    submission_id: str, status: JobStatus | None, condition: DependencyCondition
+) -> str:
+    """Why a dependency on `submission_id` can no longer hold."""
+    what = "was deleted" if status is None else f"ended {status}"
+    return f"{submission_id} {what}; this job needed it {_WANTED[condition]}"
+
+
+class DependencyWaits:
+    """The waiting jobs, and by each job waited for, the jobs waiting for it."""
+
+    def __init__(self) -> None:
+        self._waits: dict[str, _Wait] = {}
+        self._dependents: dict[str, set[str]] = {}
+
+    def __contains__(self, submission_id: object) -> bool:
+        return submission_id in self._waits
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    def waiting_ids(self) -> list[str]:
+        return list(self._waits)
+
+    def dependents_of(self, submission_id: str) -> frozenset[str]:
+        """The waiting jobs that wait for `submission_id`."""
+        return frozenset(self._dependents.get(submission_id, ()))
+
+    def add(self, record: JobRecord) -> None:
+        """Hold a job that waits (again: its conditions all pending until learnt)."""
+        self.remove(record.submission_id)
+        wait = _Wait(
+            record,
+            {
+                dependency.submission_id: dependency.condition
+                for dependency in record.spec.depends_on
+            },
+        )
+        self._waits[record.submission_id] = wait
+        for parent in wait.pending:
+            self._dependents.setdefault(parent, set()).add(record.submission_id)
+
+    def remove(self, submission_id: str, run_id: str | None = None) -> JobRecord | None:
+        """Take a waiting job out (the run `run_id`, if given): its record, None if it is not
+        waiting."""
+        wait = self._waits.get(submission_id)
+        if wait is None or (run_id is not None and wait.record.run_id != run_id):
+            return None
+        del self._waits[submission_id]
+        for parent in wait.pending:
+            children = self._dependents.get(parent)
+            if children is not None:
+                children.discard(submission_id)
+                if not children:
+                    del self._dependents[parent]
+        return wait.record
+
+    def clear(self) -> None:
+        self._waits.clear()
+        self._dependents.clear()
+
+    def learn(self, submission_id: str, status: JobStatus | None) -> list[Resolution]:
+        """The job `submission_id` is now `status` (None: deleted): the waiting jobs it
+        decides, taken out of the waits."""
+        return [
+            resolution
+            for child in self.dependents_of(submission_id)
+            if (resolution := self._learn_for(child, submission_id, status)) is not None
+        ]
+
+    def learn_statuses(
+        self, submission_id: str, statuses: Mapping[str, JobStatus | None]
+    ) -> Resolution | None:
+        """What the statuses now (read after the job was added) of the jobs it waits for
+        decide of the waiting job `submission_id`; None: it waits on (or waits no longer)."""
+        for parent, status in statuses.items():
+            resolution = self._learn_for(submission_id, parent, status)
+            if resolution is not None:
+                return resolution
+        return None
+
+    def _learn_for(self, child: str, parent: str, status: JobStatus | None) -> Resolution | None:
+        wait = self._waits.get(child)
+        if wait is None:
+            return None
+        condition = wait.pending.get(parent)
+        if condition is None:
+            return None  # held already (or not a dependency)
+        if status is not None and condition.holds(status):
+            del wait.pending[parent]
+            children = self._dependents[parent]
+            children.discard(child)
+            if not children:
+                del self._dependents[parent]
+            if wait.pending:
+                return None
+            self.remove(child)
+            return Resolution(wait.record, Outcome.MET)
+        if condition.can_still_hold(status):
+            return None
+        self.remove(child)
+        return Resolution(wait.record, Outcome.NEVER, never_message(parent, status, condition))
+
+    def record(self, submission_id: str) -> JobRecord | None:
+        wait = self._waits.get(submission_id)
+        return None if wait is None else wait.record
+
+    def describe(self, submission_id: str) -> str | None:
+        """A waiting job's message now: what it still waits for."""
+        wait = self._waits.get(submission_id)
+        if wait is None:
+            return None
+        pending = [
+            dependency
+            for dependency in wait.record.spec.depends_on
+            if dependency.submission_id in wait.pending
+        ]
+        return waiting_message(pending, len(wait.record.spec.depends_on))

@@ -1,0 +1,163 @@
+"""The waits of jobs on others (manager/queue/dependency_waits.py) as plain logic: conditions
+met one by one, a condition that can no longer hold, a deletion, the same end learnt twice,
+the index by job waited for, and the messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from jobs_server.manager.queue.dependency_waits import (
+    DependencyWaits,
+    Outcome,
+    needs_wait,
+    waiting_message,
+)
+from jobs_server.manager.records import (
+    DependencyCondition,
+    JobDependency,
+    JobRecord,
+    JobSpec,
+    JobStatus,
+)
+
+S, F, E = DependencyCondition.SUCCEEDED, DependencyCondition.FAILED, DependencyCondition.ENDED
+
+
+def child(submission_id: str, *on: tuple[str, DependencyCondition]) -> JobRecord:
+    return JobRecord(
+        spec=JobSpec(
+            entrypoint="true",
+            submission_id=submission_id,
+            depends_on=tuple(JobDependency(submission_id=p, condition=c) for p, c in on),
+        ),
+        run_id=f"run-{submission_id}",
+    )
+
+
+def test_a_job_is_met_once_every_condition_holds_and_leaves_the_waits() -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", S), ("b", E)))
+    assert waits.dependents_of("a") == {"c"}
+    assert waits.learn("a", JobStatus.RUNNING) == []
+    assert waits.learn("a", JobStatus.SUCCEEDED) == []
+    assert waits.describe("c") == "Waiting for 1 of 2 jobs: b to end"
+    # The same end again (an event after the read that saw it): nothing more.
+    assert waits.learn("a", JobStatus.SUCCEEDED) == []
+    (resolution,) = waits.learn("b", JobStatus.STOPPED)
+    assert (resolution.record.submission_id, resolution.outcome) == ("c", Outcome.MET)
+    assert "c" not in waits
+    assert len(waits) == 0
+    assert waits.dependents_of("a") == frozenset()
+    assert waits.dependents_of("b") == frozenset()
+    assert waits.learn("b", JobStatus.STOPPED) == []
+
+
+@pytest.mark.parametrize(
+    ("condition", "status", "reason"),
+    [
+        (S, JobStatus.FAILED, "a ended FAILED; this job needed it to succeed"),
+        (S, JobStatus.STOPPED, "a ended STOPPED; this job needed it to succeed"),
+        (F, JobStatus.SUCCEEDED, "a ended SUCCEEDED; this job needed it to fail or stop"),
+        (S, None, "a was deleted; this job needed it to succeed"),
+        (E, None, "a was deleted; this job needed it to end"),
+    ],
+)
+def test_a_condition_that_can_no_longer_hold_ends_the_wait(
+    condition: DependencyCondition, status: JobStatus | None, reason: str
+) -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", condition), ("b", S)))
+    (resolution,) = waits.learn("a", status)
+    assert (resolution.outcome, resolution.reason) == (Outcome.NEVER, reason)
+    assert "c" not in waits
+    assert waits.dependents_of("b") == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("condition", "status"),
+    [
+        (S, JobStatus.SUCCEEDED),
+        (F, JobStatus.FAILED),
+        (F, JobStatus.STOPPED),
+        (E, JobStatus.FAILED),
+    ],
+)
+def test_each_condition_holds_for_its_statuses(
+    condition: DependencyCondition, status: JobStatus
+) -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", condition)))
+    (resolution,) = waits.learn("a", status)
+    assert resolution.outcome is Outcome.MET
+
+
+def test_a_held_condition_stays_held_when_its_job_is_deleted_later() -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", S), ("b", S)))
+    assert waits.learn("a", JobStatus.SUCCEEDED) == []
+    assert waits.learn("a", None) == []
+    assert "c" in waits
+
+
+def test_statuses_read_after_the_registration_decide_at_once() -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", S), ("b", S)))
+    met = waits.learn_statuses("c", {"a": JobStatus.SUCCEEDED, "b": JobStatus.SUCCEEDED})
+    assert met is not None
+    assert met.outcome is Outcome.MET
+    waits.add(child("d", ("a", S), ("b", S)))
+    assert waits.learn_statuses("d", {"a": JobStatus.SUCCEEDED, "b": JobStatus.PENDING}) is None
+    never = waits.learn_statuses("d", {"a": JobStatus.SUCCEEDED, "b": JobStatus.FAILED})
+    assert never is not None
+    assert never.outcome is Outcome.NEVER
+    # A job no longer waiting (stopped, or decided by an event first) is not decided again.
+    assert waits.learn_statuses("d", {"b": JobStatus.FAILED}) is None
+
+
+def test_fan_in_resolves_on_the_last_end_and_one_end_resolves_every_dependent() -> None:
+    waits = DependencyWaits()
+    parents = [f"p{i}" for i in range(10)]
+    waits.add(child("c", *((p, S) for p in parents)))
+    for sibling in ("x", "y"):
+        waits.add(child(sibling, ("p0", F)))
+    assert waits.dependents_of("p0") == {"c", "x", "y"}
+    resolutions = waits.learn("p0", JobStatus.SUCCEEDED)
+    assert {(r.record.submission_id, r.outcome) for r in resolutions} == {
+        ("x", Outcome.NEVER),
+        ("y", Outcome.NEVER),
+    }
+    for parent in parents[1:-1]:
+        assert waits.learn(parent, JobStatus.SUCCEEDED) == []
+    assert waits.describe("c") == "Waiting for 1 of 10 jobs: p9 to succeed"
+    (resolution,) = waits.learn("p9", JobStatus.SUCCEEDED)
+    assert resolution.outcome is Outcome.MET
+
+
+def test_remove_takes_the_run_out_of_the_index() -> None:
+    waits = DependencyWaits()
+    record = child("c", ("a", S))
+    waits.add(record)
+    assert waits.remove("c", "another-run") is None
+    assert waits.remove("c", record.run_id) == record
+    assert waits.learn("a", JobStatus.SUCCEEDED) == []
+    assert waits.remove("c") is None
+
+
+def test_messages_name_what_is_waited_for_within_a_bound() -> None:
+    one = JobDependency(submission_id="prepare-1")
+    assert waiting_message([one]) == "Waiting for prepare-1 to succeed"
+    many = [JobDependency(submission_id=f"j{i}", condition=E) for i in range(8)]
+    assert waiting_message(many) == (
+        "Waiting for 8 jobs: j0 to end, j1 to end, j2 to end, j3 to end, j4 to end and 3 more"
+    )
+    assert (
+        waiting_message(many[:3], 10) == "Waiting for 3 of 10 jobs: j0 to end, j1 to end, j2 to end"
+    )
+    assert len(waiting_message([JobDependency(submission_id="x" * 100)] * 100)) < 700
+
+
+def test_only_a_job_with_dependencies_not_yet_met_waits() -> None:
+    waiting = child("c", ("a", S))
+    assert needs_wait(waiting)
+    assert not needs_wait(waiting.with_changes(dependencies_met_time=1))
+    assert not needs_wait(child("d"))
