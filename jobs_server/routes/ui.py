@@ -19,6 +19,8 @@ routes = web.RouteTableDef()
 ASSET_CONTENT_TYPES: Final = {
     "app.js": "text/javascript",
     "api.js": "text/javascript",
+    "deliveries.js": "text/javascript",
+    "dependencies.js": "text/javascript",
     "dom.js": "text/javascript",
     "events.js": "text/javascript",
     "job.js": "text/javascript",

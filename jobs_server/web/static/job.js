@@ -1,13 +1,18 @@
 // One job: its details, its log following live (SSE, resumed by byte offset), a download,
 // Stop and Delete behind a confirmation, the exit code and the message; its limits and what it
 // used (peak memory, CPU time); with retries, its attempts, each one's use and part of the log
-// a click away (their log offsets split the log).
+// a click away (their log offsets split the log); the jobs it depends on and those that depend
+// on it, and its webhook deliveries.
 
-import { authHeaders, getJson, jobPath, request, sendJson } from "./api.js";
+import { ApiError, authHeaders, getJson, jobPath, request, sendJson } from "./api.js";
 import {
   announce, confirmAction, cpuTotalSeconds, el, formatBytes, formatCpuSeconds, formatTime,
   replaceChildren, statusBadge,
 } from "./dom.js";
+import { anyPending, readDeliveries, renderDeliveries } from "./deliveries.js";
+import {
+  neverRanText, readDependencies, readDependents, renderDependencies, renderDependents,
+} from "./dependencies.js";
 import { watchJobs } from "./events.js";
 import { followEventStream } from "./sse.js";
 
@@ -77,13 +82,32 @@ export function renderJob(main, jobId, { signal, onError }) {
     id: "attempt-log", class: "log", tabindex: "0", "aria-labelledby": "attempt-log-title",
   });
   const attemptLogSection = el("section", { hidden: true }, attemptLogTitle, attemptLog);
+  const neverRan = el("p", { id: "dependency-failure", class: "error" });
+  const dependenciesSection = el("section", {
+    id: "dependencies", "aria-labelledby": "dependencies-title", hidden: true,
+  });
+  const dependentsSection = el("section", {
+    id: "dependents", "aria-labelledby": "dependents-title", hidden: true,
+  });
+  const deliveriesSection = el("section", {
+    id: "deliveries", "aria-labelledby": "deliveries-title", hidden: true,
+  });
   let job = null;
   let quietTimer = null;
-  signal.addEventListener("abort", () => clearTimeout(quietTimer));
+  // What the page read of the jobs around this one: by id, each dependency's details (null:
+  // deleted); the dependents; the deliveries (null: a server without them).
+  let dependencyDetails = new Map();
+  let relatedReads = 0; // an older read that answers late is not shown over a newer one
+  let relatedStatus = null; // the job's status when its dependents were last looked for
+  let deliveriesTimer = null;
+  signal.addEventListener("abort", () => {
+    clearTimeout(quietTimer);
+    clearTimeout(deliveriesTimer);
+  });
 
-  replaceChildren(main, heading, error, details,
+  replaceChildren(main, heading, error, neverRan, details,
     el("div", { class: "actions" }, stop, remove, download),
-    attemptsSection, attemptLogSection,
+    dependenciesSection, dependentsSection, attemptsSection, deliveriesSection, attemptLogSection,
     el("h2", {}, "Log"), logState, log);
 
   async function showAttemptLog(index, path) {
@@ -157,6 +181,8 @@ export function renderJob(main, jobId, { signal, onError }) {
     stop.disabled = terminal;
     remove.disabled = !terminal;
     renderAttempts();
+    renderDependencies(dependenciesSection, job, dependencyDetails);
+    neverRan.textContent = neverRanText(job, dependencyDetails) ?? "";
     clearTimeout(quietTimer);
     const changesQuietly = job.status === "PENDING" || (!terminal && job.max_retries > 0);
     if (changesQuietly && !signal.aborted) quietTimer = setTimeout(refresh, QUIET_CHANGES_REFRESH_MS);
@@ -168,8 +194,38 @@ export function renderJob(main, jobId, { signal, onError }) {
       job = await getJson(jobPath(jobId), { signal });
       renderDetails();
       if (previous && previous !== job.status) announce(`Job ${jobId} is ${job.status}`);
+      refreshRelated();
     } catch (failure) {
       if (!signal.aborted) onError(failure);
+    }
+  }
+
+  // The jobs around this one and its deliveries change without an event of its own: read at
+  // each refresh and event of the job; the dependents only when its status changed (they can
+  // be many pages away), the deliveries again while one is pending.
+  async function refreshRelated() {
+    const read = ++relatedReads;
+    const lookForDependents = relatedStatus !== job.status;
+    relatedStatus = job.status;
+    clearTimeout(deliveriesTimer);
+    try {
+      const [dependencies, dependents, deliveries] = await Promise.all([
+        readDependencies(job, signal),
+        lookForDependents ? readDependents(job, signal) : null,
+        readDeliveries(jobId, signal),
+      ]);
+      if (read !== relatedReads || signal.aborted) return;
+      dependencyDetails = dependencies;
+      renderDetails();
+      if (dependents) renderDependents(dependentsSection, dependents);
+      renderDeliveries(deliveriesSection, deliveries);
+      if (anyPending(deliveries)) {
+        deliveriesTimer = setTimeout(refreshRelated, QUIET_CHANGES_REFRESH_MS);
+      }
+    } catch (failure) {
+      if (signal.aborted) return;
+      if (failure instanceof ApiError && failure.isAuthError) onError(failure);
+      else error.textContent = failure.message;
     }
   }
 
@@ -261,6 +317,7 @@ export function renderJob(main, jobId, { signal, onError }) {
           } else if (event.job) {
             job = event.job;
             renderDetails();
+            refreshRelated();
           } else if (!TERMINAL.has(job.status) || event.type === "reset") {
             refresh();
           }
