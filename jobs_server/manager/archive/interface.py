@@ -13,15 +13,17 @@ from typing import Protocol
 
 from jobs_server.manager.archive.events import EventLog, JobEvent
 from jobs_server.manager.archive.leases import Fence, LeaseStore
+from jobs_server.manager.archive.outbox import DeliveryPlanner, Outbox, no_deliveries
 from jobs_server.manager.archive.queries import JobQuery
 from jobs_server.manager.records import JobRecord, JobStatus, RecordParser, parse_record
 
 POSTGRES_URL_SCHEMES = ("postgresql://", "postgres://")
 
 
-class JobArchive(EventLog, LeaseStore, Protocol):
-    """The job history: every accepted job, its final record, its numbered events; and the
-    leases of the replicas that share it (leases.py)."""
+class JobArchive(EventLog, LeaseStore, Outbox, Protocol):
+    """The job history: every accepted job, its final record, its numbered events; the
+    leases of the replicas that share it (leases.py); the webhooks' deliveries its changes
+    cause (outbox.py)."""
 
     parse_record: RecordParser
 
@@ -116,20 +118,33 @@ def create_archive(
     on_events: Callable[[list[JobEvent]], None] | None = None,
     parse: RecordParser = parse_record,
     database_timeout_s: float | None = None,
+    plan_deliveries: DeliveryPlanner = no_deliveries,
 ) -> JobArchive:
     """The archive of `database_url` (PostgreSQL), or without one SQLite at
-    `<state_dir>/jobs.db`; not yet open (`await archive.open()`)."""
+    `<state_dir>/jobs.db`; not yet open (`await archive.open()`). `plan_deliveries` says
+    where each webhook event a change is goes (outbox.py)."""
     if database_url is None:
         from jobs_server.manager.archive.sqlite import Archive, archive_path
 
-        return Archive(archive_path(state_dir), on_events=on_events, parse=parse)
+        return Archive(
+            archive_path(state_dir),
+            on_events=on_events,
+            parse=parse,
+            plan_deliveries=plan_deliveries,
+        )
     if not is_postgres_url(database_url):
         raise ValueError("the database URL must start with postgresql:// (or postgres://)")
     # Imported here: psycopg is loaded only by a server that uses it.
     from jobs_server.manager.archive.postgres import PostgresArchive
 
     if database_timeout_s is None:
-        return PostgresArchive(database_url, on_events=on_events, parse=parse)
+        return PostgresArchive(
+            database_url, on_events=on_events, parse=parse, plan_deliveries=plan_deliveries
+        )
     return PostgresArchive(
-        database_url, on_events=on_events, parse=parse, timeout_s=database_timeout_s
+        database_url,
+        on_events=on_events,
+        parse=parse,
+        timeout_s=database_timeout_s,
+        plan_deliveries=plan_deliveries,
     )

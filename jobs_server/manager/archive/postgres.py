@@ -37,7 +37,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import queries
+from jobs_server.manager.archive import outbox_rows, queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.group_commit import NewRow, answer_batch, new_rows_together
 from jobs_server.manager.archive.leases import (
@@ -55,6 +55,12 @@ from jobs_server.manager.archive.new_rows import (
     plan_new_rows,
     values_placeholders,
 )
+from jobs_server.manager.archive.outbox import (
+    DeliveryPlanner,
+    DeliveryState,
+    WebhookDelivery,
+    no_deliveries,
+)
 from jobs_server.manager.archive.pg_events import EventRelay, announce_events
 from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS, JobQuery
 from jobs_server.manager.archive.schema_versions import (
@@ -71,6 +77,7 @@ from jobs_server.manager.records import (
     now_ms,
     parse_record,
 )
+from jobs_server.manager.webhook_events import WebhookEventType
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +197,9 @@ _MIGRATIONS: tuple[Migration[tuple[str, ...]], ...] = (
         ("ALTER TABLE leases ADD COLUMN holder_url TEXT",),
         readable_by_previous=True,
     ),
+    # The webhooks' outbox (outbox.py): deliveries, and the endpoints that answered 410. New
+    # tables: the release before writes changes without their deliveries, no more.
+    Migration(outbox_rows.TABLES, readable_by_previous=True),
 )
 
 # The first of `%s` ids in a row: the sequence moved past them at once (its own statement
@@ -260,8 +270,11 @@ class PostgresArchive:
         max_events: int = DEFAULT_MAX_EVENTS,
         parse: RecordParser = parse_record,
         timeout_s: float = DATABASE_TIMEOUT_S,
+        plan_deliveries: DeliveryPlanner = no_deliveries,
     ) -> None:
         self.parse_record = parse
+        # Called in the transaction of each change that is a webhook event (outbox.py).
+        self._plan_deliveries = plan_deliveries
         self._url = url
         self._timeout_s = timeout_s
         self._on_events = on_events
@@ -520,8 +533,12 @@ class PostgresArchive:
         if row is None:
             return None, []
         status, stored, tenant = row
-        if JobStatus(status).is_terminal():
+        stored_status = JobStatus(status)
+        if stored_status.is_terminal():
             return JobRecord.model_validate_json(stored), []
+        webhook_event = outbox_rows.webhook_event_of_row(
+            stored_status, stored, record, self.parse_record
+        )
         text = record.model_dump_json()
         await db.execute(
             pyformat(queries.UPDATE_RUN),
@@ -535,20 +552,43 @@ class PostgresArchive:
             ),
         )
         events = []
-        if record.status.value != status:
-            events.append(
-                await _add_event(
-                    db,
-                    JobEventType.STATUS,
-                    record.submission_id,
-                    tenant,
-                    record.status,
-                    record.message,
-                    record,
-                    text,
-                )
+        # A retry (RUNNING still) is an event too: the stream shows it, its deliveries name it.
+        if record.status is not stored_status or webhook_event is not None:
+            event = await _add_event(
+                db,
+                JobEventType.STATUS,
+                record.submission_id,
+                tenant,
+                record.status,
+                record.message,
+                record,
+                text,
             )
+            events.append(event)
+            if webhook_event is not None:
+                await self._add_deliveries(db, record, webhook_event, event, text)
         return record, events
+
+    async def _add_deliveries(
+        self,
+        db: Connection,
+        record: JobRecord,
+        event_type: WebhookEventType,
+        event: JobEvent,
+        text: str,
+    ) -> None:
+        """The deliveries of a change's webhook event, in its transaction (outbox.py)."""
+        planned = self._plan_deliveries(record, event_type)
+        if not planned:
+            return
+        cursor = await db.execute(pyformat(outbox_rows.DISABLED_URLS), (record.tenant,))
+        disabled = {url for (url,) in await cursor.fetchall()}
+        rows = outbox_rows.planned_rows(
+            planned, record, event_type, event.id, event.time, text, disabled
+        )
+        if rows:
+            async with db.cursor() as deliveries:
+                await deliveries.executemany(pyformat(outbox_rows.INSERT), rows)
 
     async def delete(self, submission_id: str, run_id: str | None = None) -> bool:
         """Forget a job (its run `run_id`, if given); whether there was one."""
@@ -561,10 +601,13 @@ class PostgresArchive:
         return bool(deleted)
 
     async def _trim_events(self, db: Connection) -> None:
+        """The newest `max_events` events are kept, and the finished deliveries of those."""
         cursor = await db.execute(_NEWEST_EVENT_ID)
         row = await cursor.fetchone()
         if row is not None and row[0] is not None:
-            await db.execute(_TRIM_EVENTS_UP_TO, (int(row[0]) - self._max_events,))
+            oldest_gone = int(row[0]) - self._max_events
+            await db.execute(_TRIM_EVENTS_UP_TO, (oldest_gone,))
+            await db.execute(pyformat(outbox_rows.TRIM_FINISHED_UP_TO), (oldest_gone,))
 
     async def run_lease_statement(
         self, statement: str, parameters: Sequence[Any]
@@ -572,6 +615,69 @@ class PostgresArchive:
         """Run a statement of leases.py as a transaction of its own (autocommit: no events
         lock, no wait behind a batch of writes)."""
         return await self._rows(statement, parameters)
+
+    # -- Outbox (outbox.py): transactions of their own, no events lock ----------------------
+
+    async def claim_due_deliveries(
+        self, now_ms: int, limit: int, claim_ms: int
+    ) -> list[WebhookDelivery]:
+        """Up to `limit` due PENDING deliveries, soonest due first, each claimed until
+        `now_ms + claim_ms` in one statement (rows another claimer holds are skipped)."""
+        rows = await self._rows(
+            outbox_rows.CLAIM_DUE_SKIP_LOCKED, (now_ms + claim_ms, now_ms, limit)
+        )
+        # RETURNING has no order: the claim's (their due times, now all the same, were).
+        claimed = [outbox_rows.delivery_of_row(row) for row in rows]
+        return sorted(claimed, key=lambda delivery: (delivery.created_ms, delivery.event_id))
+
+    async def next_delivery_due_ms(self) -> int | None:
+        """When the next PENDING delivery is due (None: none is pending)."""
+        row = await self._row(outbox_rows.NEXT_DUE)
+        return None if row is None or row[0] is None else int(row[0])
+
+    async def record_delivery_attempt(
+        self,
+        delivery_id: str,
+        *,
+        state: DeliveryState,
+        at_ms: int,
+        next_attempt_ms: int | None,
+        status_code: int | None,
+        error: str | None,
+    ) -> bool:
+        """Write one attempt's outcome; False if the delivery is no longer PENDING."""
+        parameters = outbox_rows.attempt_parameters(
+            delivery_id, state, at_ms, next_attempt_ms, status_code, error
+        )
+
+        async def record() -> int:
+            async with self._connection() as db:
+                cursor = await db.execute(pyformat(outbox_rows.RECORD_ATTEMPT), parameters)
+                return cursor.rowcount
+
+        return await self._bounded(record()) > 0
+
+    async def disable_webhook_endpoint(self, tenant: str, url: str, at_ms: int) -> int:
+        """No delivery is written for the endpoint again; its PENDING ones end DISABLED (how
+        many did). A change committing meanwhile may still write one delivery to it, which
+        its 410 ends again."""
+
+        async def disable() -> int:
+            async with self._connection() as db, db.transaction():
+                await db.execute(pyformat(outbox_rows.DISABLE_ENDPOINT), (tenant, url, at_ms))
+                cursor = await db.execute(pyformat(outbox_rows.END_DISABLED), (tenant, url))
+                return cursor.rowcount
+
+        return await self._bounded(disable())
+
+    async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:
+        """The job's deliveries, oldest first (one event's by URL)."""
+        rows = await self._rows(outbox_rows.DELIVERIES_OF, (submission_id,))
+        return [outbox_rows.delivery_of_row(row) for row in rows]
+
+    async def count_deliveries(self) -> dict[DeliveryState, int]:
+        """Deliveries kept, by state."""
+        return outbox_rows.state_counts(await self._rows(outbox_rows.COUNT_BY_STATE))
 
     # -- reads ------------------------------------------------------------------------------
 

@@ -24,11 +24,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from jobs_server.errors import DuplicateJobError
-from jobs_server.manager.archive import queries
+from jobs_server.manager.archive import outbox_rows, queries
 from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.group_commit import GroupCommit, NewRow, rollback
 from jobs_server.manager.archive.leases import SQLITE_STATEMENTS, Fence, require_fence
 from jobs_server.manager.archive.new_rows import insert_new_rows
+from jobs_server.manager.archive.outbox import (
+    DeliveryPlanner,
+    DeliveryState,
+    WebhookDelivery,
+    no_deliveries,
+)
 
 # Re-exported: the archive's callers name them with it.
 from jobs_server.manager.archive.queries import STREAM_BATCH_ROWS as STREAM_BATCH_ROWS
@@ -46,6 +52,7 @@ from jobs_server.manager.records import (
     now_ms,
     parse_record,
 )
+from jobs_server.manager.webhook_events import WebhookEventType
 from jobs_server.state_dir import make_private_file
 
 logger = logging.getLogger(__name__)
@@ -136,6 +143,12 @@ _MIGRATIONS: tuple[Migration[str], ...] = (
         "ALTER TABLE leases ADD COLUMN holder_url TEXT",
         readable_by_previous=True,  # a nullable column: the release before never reads it
     ),
+    # The webhooks' outbox (outbox.py): deliveries, and the endpoints that answered 410.
+    Migration(
+        "; ".join(outbox_rows.TABLES),
+        # New tables: the release before writes changes without their deliveries, no more.
+        readable_by_previous=True,
+    ),
 )
 # Deleted runs remembered (recovery asks about what the KV still holds at a start).
 MAX_DELETED_RUNS = 100_000
@@ -196,6 +209,7 @@ class Archive:
         on_events: Callable[[list[JobEvent]], None] | None = None,
         max_events: int = DEFAULT_MAX_EVENTS,
         parse: RecordParser = parse_record,
+        plan_deliveries: DeliveryPlanner = no_deliveries,
     ) -> None:
         self.path = path
         # What reads texts into records: the server's keeps parses (caching_record_parser),
@@ -203,6 +217,9 @@ class Archive:
         self.parse_record = parse
         self._on_events = on_events
         self._max_events = max_events
+        # Called on the archive's thread, in the transaction of each change that is a webhook
+        # event (outbox.py).
+        self._plan_deliveries = plan_deliveries
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive")
         self._db: sqlite3.Connection | None = None
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="archive-reads")
@@ -358,8 +375,12 @@ class Archive:
         if row is None:
             return None, []
         status, stored, tenant = row
-        if JobStatus(status).is_terminal():
+        stored_status = JobStatus(status)
+        if stored_status.is_terminal():
             return JobRecord.model_validate_json(stored), []
+        webhook_event = outbox_rows.webhook_event_of_row(
+            stored_status, stored, record, self.parse_record
+        )
         text = record.model_dump_json()
         db.execute(
             queries.UPDATE_RUN,
@@ -373,9 +394,32 @@ class Archive:
             ),
         )
         events = []
-        if record.status.value != status:
-            events.append(self._event(db, JobEventType.STATUS, record, tenant, text))
+        # A retry (RUNNING still) is an event too: the stream shows it, its deliveries name it.
+        if record.status is not stored_status or webhook_event is not None:
+            event = self._event(db, JobEventType.STATUS, record, tenant, text)
+            events.append(event)
+            if webhook_event is not None:
+                self._add_deliveries(db, record, webhook_event, event, text)
         return record, events
+
+    def _add_deliveries(
+        self,
+        db: sqlite3.Connection,
+        record: JobRecord,
+        event_type: WebhookEventType,
+        event: JobEvent,
+        text: str,
+    ) -> None:
+        """The deliveries of a change's webhook event, in its transaction (outbox.py)."""
+        planned = self._plan_deliveries(record, event_type)
+        if not planned:
+            return
+        disabled = {url for (url,) in db.execute(outbox_rows.DISABLED_URLS, (record.tenant,))}
+        rows = outbox_rows.planned_rows(
+            planned, record, event_type, event.id, event.time, text, disabled
+        )
+        if rows:
+            db.executemany(outbox_rows.INSERT, rows)
 
     async def delete(self, submission_id: str, run_id: str | None = None) -> bool:
         """Forget a job (its run `run_id`, if given); whether there was one."""
@@ -453,7 +497,9 @@ class Archive:
         )
 
     def _trim_events(self, db: sqlite3.Connection) -> None:
+        """The newest `max_events` events are kept, and the finished deliveries of those."""
         db.execute(queries.TRIM_EVENTS, (self._max_events,))
+        db.execute(outbox_rows.TRIM_FINISHED, (self._max_events,))
 
     async def run_lease_statement(
         self, statement: str, parameters: Sequence[Any]
@@ -464,6 +510,69 @@ class Archive:
         )
         result: list[tuple[Any, ...]] = rows
         return result
+
+    # -- Outbox (outbox.py) -----------------------------------------------------------------
+
+    async def claim_due_deliveries(
+        self, now_ms: int, limit: int, claim_ms: int
+    ) -> list[WebhookDelivery]:
+        """Up to `limit` due PENDING deliveries, soonest due first, each claimed until
+        `now_ms + claim_ms` in the same transaction (the database's write lock: exclusive)."""
+
+        def claim(db: sqlite3.Connection) -> tuple[list[WebhookDelivery], list[JobEvent]]:
+            rows = db.execute(outbox_rows.DUE, (now_ms, limit)).fetchall()
+            until_ms = now_ms + claim_ms
+            db.executemany(outbox_rows.CLAIM, [(until_ms, row[0]) for row in rows])
+            claimed = [outbox_rows.delivery_of_row(row) for row in rows]
+            return [
+                delivery.model_copy(update={"next_attempt_ms": until_ms}) for delivery in claimed
+            ], []
+
+        claimed, _ = await self._writes.write(claim)
+        result: list[WebhookDelivery] = claimed
+        return result
+
+    async def next_delivery_due_ms(self) -> int | None:
+        """When the next PENDING delivery is due (None: none is pending)."""
+        return await self._read(_next_delivery_due_ms)
+
+    async def record_delivery_attempt(
+        self,
+        delivery_id: str,
+        *,
+        state: DeliveryState,
+        at_ms: int,
+        next_attempt_ms: int | None,
+        status_code: int | None,
+        error: str | None,
+    ) -> bool:
+        """Write one attempt's outcome; False if the delivery is no longer PENDING."""
+        parameters = outbox_rows.attempt_parameters(
+            delivery_id, state, at_ms, next_attempt_ms, status_code, error
+        )
+        changed, _ = await self._writes.write(
+            lambda db: (db.execute(outbox_rows.RECORD_ATTEMPT, parameters).rowcount, [])
+        )
+        return bool(changed)
+
+    async def disable_webhook_endpoint(self, tenant: str, url: str, at_ms: int) -> int:
+        """No delivery is written for the endpoint again; its PENDING ones end DISABLED (how
+        many did)."""
+
+        def disable(db: sqlite3.Connection) -> tuple[int, list[JobEvent]]:
+            db.execute(outbox_rows.DISABLE_ENDPOINT, (tenant, url, at_ms))
+            return db.execute(outbox_rows.END_DISABLED, (tenant, url)).rowcount, []
+
+        ended, _ = await self._writes.write(disable)
+        return int(ended)
+
+    async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:
+        """The job's deliveries, oldest first (one event's by URL)."""
+        return await self._read(_deliveries_of, submission_id)
+
+    async def count_deliveries(self) -> dict[DeliveryState, int]:
+        """Deliveries kept, by state."""
+        return await self._read(_count_deliveries)
 
     # -- reads (archive_queries.py) --------------------------------------------------------
 
@@ -557,6 +666,20 @@ class Archive:
 
     async def event_id_range(self) -> tuple[int, int]:
         return await self._read(queries.event_id_range)
+
+
+def _next_delivery_due_ms(db: sqlite3.Connection) -> int | None:
+    (due,) = db.execute(outbox_rows.NEXT_DUE).fetchone()
+    return None if due is None else int(due)
+
+
+def _deliveries_of(db: sqlite3.Connection, submission_id: str) -> list[WebhookDelivery]:
+    rows = db.execute(outbox_rows.DELIVERIES_OF, (submission_id,)).fetchall()
+    return [outbox_rows.delivery_of_row(row) for row in rows]
+
+
+def _count_deliveries(db: sqlite3.Connection) -> dict[DeliveryState, int]:
+    return outbox_rows.state_counts(db.execute(outbox_rows.COUNT_BY_STATE).fetchall())
 
 
 def _run_was_deleted(db: sqlite3.Connection, submission_id: str, run_id: str) -> bool:
