@@ -16,6 +16,7 @@ passes when it exits 0 (`bash -e -o pipefail`) and no answer in its output is an
 
 from __future__ import annotations
 
+import base64
 import os
 import re
 import subprocess
@@ -23,10 +24,16 @@ import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+from standardwebhooks.webhooks import Webhook
 
+from jobs_server.api_models import JobDetails, WebhookPayload
+from jobs_server.manager import JobRecord, JobSpec, JobStatus
+from jobs_server.manager.webhook_events import WebhookEventType
 from tests.support.processes import free_port, stop_process_group
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.servers import start_jobs_server, wait_for_server
@@ -176,3 +183,79 @@ def test_shell_examples_run_in_order(document: Path, readme_server: str, tmp_pat
         where = f"{name} line {block.line}:\n{code}\n--- output ---\n{output}"
         assert result.returncode == 0, where
         assert not ERROR_ANSWER.search(output), where
+
+
+# The README's webhook receiver (issue 36): its Python, run as written.
+RECEIVER_MARKER = "<!-- readme-test: webhook receiver -->"
+
+
+def marked_python_block(markdown: str, marker: str) -> str:
+    """The ```python block right after the line `marker`."""
+    lines = markdown.splitlines()
+    start = lines.index(marker) + 1
+    assert lines[start].strip() == "```python", f"no ```python block after {marker}"
+    end = lines.index("```", start + 1)
+    return "\n".join(lines[start + 1 : end]) + "\n"
+
+
+def signed_headers(msg_id: str, at: datetime, body: bytes, secrets: list[str]) -> dict[str, str]:
+    """Standard Webhooks' headers of `body`, a signature by each secret (space separated)."""
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(int(at.timestamp())),
+        "webhook-signature": " ".join(Webhook(s).sign(msg_id, at, body) for s in secrets),
+        "content-type": "application/json",
+    }
+
+
+def signed_event(secret: str, body: bytes, *, at: datetime, msg_id: str) -> dict[str, str]:
+    return signed_headers(msg_id, at, body, [secret])
+
+
+def test_the_readmes_webhook_receiver_accepts_signed_events_and_refuses_forged_ones() -> None:
+    receiver: dict[str, Any] = {}
+    exec(
+        compile(marked_python_block(README.read_text(), RECEIVER_MARKER), "README", "exec"),
+        receiver,
+    )
+    job_event, secret = receiver["job_event"], receiver["SECRET"]
+    # A secret the server would take: whsec_ and 24 to 64 bytes of padded base64.
+    assert secret.startswith("whsec_")
+    assert 24 <= len(base64.b64decode(secret.removeprefix("whsec_"), validate=True)) <= 64
+    record = JobRecord(
+        spec=JobSpec(submission_id="train-1", entrypoint="python train.py"),
+        status=JobStatus.SUCCEEDED,
+        start_time=1_700_000_000_000,
+        end_time=1_700_000_005_000,
+        driver_exit_code=0,
+    )
+    now = datetime.now(UTC)
+    payload = WebhookPayload(
+        type=WebhookEventType.SUCCEEDED,
+        timestamp=now.isoformat(),
+        event_id=42,
+        data=JobDetails.from_record(record),
+    )
+    body = payload.model_dump_json().encode()
+    headers = signed_event(secret, body, at=now, msg_id="msg_2f3c")
+    event = job_event(body, headers)
+    assert event["type"] == "job.succeeded"
+    assert event["event_id"] == 42
+    assert (event["data"]["submission_id"], event["data"]["status"]) == ("train-1", "SUCCEEDED")
+    # Two signatures while a secret is rotated: the receiver's is one of them.
+    other = "whsec_" + base64.b64encode(b"another secret of 32 bytes.....!").decode()
+    rotated = signed_headers("msg_2f3c", now, body, [other, secret])
+    assert job_event(body, rotated) == event
+
+    forged = {
+        "signed with another secret": (body, signed_event(other, body, at=now, msg_id="m")),
+        "a changed body": (body.replace(b"SUCCEEDED", b"FAILED"), headers),
+        "another id": (body, {**headers, "webhook-id": "msg_other"}),
+        "an old timestamp": (
+            body,
+            signed_event(secret, body, at=now - timedelta(minutes=10), msg_id="msg_2f3c"),
+        ),
+        "no signature": (body, {k: v for k, v in headers.items() if k != "webhook-signature"}),
+    }
+    for what, (forged_body, forged_headers) in forged.items():
+        assert job_event(forged_body, forged_headers) is None, what
