@@ -178,15 +178,15 @@ def test_the_database_url_is_gone_from_the_environment_jobs_inherit(
 ) -> None:
     """Its password is the database's: an embedded Ray's processes, and so every job, inherit
     the server's environment, where it was read from (as the token is)."""
-    monkeypatch.setenv("JOBS_SERVER_DATABASE_URL", "postgresql://jobs:secret@db/jobs")
+    monkeypatch.setenv("JOBS_SERVER_DATABASE_URL", "postgresql://jobs:pw-7f3a9c@db/jobs")
     monkeypatch.setenv("JOBS_SERVER_AUTH_TOKEN", "token")
     settings = load_settings({})
     _forget_secrets_in_environment()
     assert "JOBS_SERVER_DATABASE_URL" not in os.environ
     assert "JOBS_SERVER_AUTH_TOKEN" not in os.environ
     assert settings.database_url is not None
-    assert settings.database_url.get_secret_value() == "postgresql://jobs:secret@db/jobs"
-    assert "secret" not in repr(settings)
+    assert settings.database_url.get_secret_value() == "postgresql://jobs:pw-7f3a9c@db/jobs"
+    assert "pw-7f3a9c" not in repr(settings)
 
 
 async def test_a_database_of_an_older_schema_is_migrated_in_place(
