@@ -1,0 +1,292 @@
+"""Job dependencies (issue 36): how soon a job starts after the job it depends on ended.
+
+    .venv/bin/python -m benchmarks.job_dependencies [--quick] [--chains 1000] [--in-flight 8]
+                                                    [--ray-chains 20] [--keep-logs]
+
+One Ray head, our server and Ray's job server on it. Ours: `--chains` chains of 3 jobs, each
+chain submitted at once (A; B with `depends_on: [A]`; C with `depends_on: [B]`, condition
+`succeeded`), `--in-flight` chains at a time (a worker submits a chain, waits for its last job's
+end, then submits the next). Each job's command is `date +%s%N`: it prints when it ran. Two
+figures per link (A → B, B → C):
+
+- server: the child's first attempt's `start_time` minus its parent's `end_time` (the server's
+  wall clock, in ms: the server's own record of the wait);
+- command: the wall-clock time the child's command printed minus its parent's `end_time`: from
+  the parent's recorded end until the child's command runs.
+
+Ray's job server has no dependencies: a chain there is driven from outside, as a pipeline does
+today. `--ray-chains` chains, one at a time: submit A, poll its status every 5 ms until it ended,
+then submit B, and so on; the same command figure (the child's printed time minus the parent's
+`end_time`).
+
+Prints the tables (progress on stderr) and writes them to benchmarks/results-job-dependencies.md
+(not with `--quick`: 100 chains, 5 on Ray's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import importlib.metadata
+import itertools
+import logging
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks.client import ApiError, JobsApi, is_terminal, new_session
+from benchmarks.processes import jobs_server, kill_survivors, ray_head, set_up_benchmark_process
+from benchmarks.stats import percentile
+
+logger = logging.getLogger("benchmarks.job_dependencies")
+
+RESULTS_PATH = Path(__file__).with_name("results-job-dependencies.md")
+COMMAND = [".venv/bin/python", "-m", "benchmarks.job_dependencies"]
+ENTRYPOINT = "date +%s%N"
+CHAIN_LENGTH = 3
+DEFAULT_CHAINS = 1_000
+DEFAULT_IN_FLIGHT = 8
+DEFAULT_RAY_CHAINS = 20
+QUICK_CHAINS = 100
+QUICK_RAY_CHAINS = 5
+WARM_UP_CHAINS = 5
+# A worker looks at its chain's last job this often (ours); Ray's chain driver at its parent.
+CHAIN_POLL_INTERVAL_S = 0.05
+RAY_POLL_INTERVAL_S = 0.005
+CHAIN_TIMEOUT_S = 120.0
+# The issue's target: a child starts within 50 ms of its parent's end, at p50.
+TARGET_START_P50_S = 0.050
+NS_PER_MS = 1_000_000
+
+
+@dataclass
+class Links:
+    """Child start minus parent end, in seconds, one per link (parent → child)."""
+
+    server_s: list[float] = field(default_factory=list)
+    command_s: list[float] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+
+
+async def printed_time_ms(api: JobsApi, job_id: str) -> float | None:
+    """The wall-clock time (ms) the job's `date +%s%N` printed, from its log."""
+    async with api.session.get(api.url(f"/api/jobs/{job_id}/logs")) as response:
+        if response.status != 200:
+            return None
+        lines = str((await response.json())["logs"]).splitlines()
+    # Ray's log also holds its own lines ("Runtime env is setting up.", "Running entrypoint").
+    printed = [line for line in lines if line.strip().isdigit()]
+    return int(printed[0]) / NS_PER_MS if printed else None
+
+
+async def add_links(api: JobsApi, chain: list[str], links: Links) -> None:
+    """Each link's figures, from the chain's details and its children's logs."""
+    jobs = [await api.job(job_id) for job_id in chain]
+    for job in jobs:
+        if job["status"] != "SUCCEEDED":
+            links.failed.append(f"{job['submission_id']} {job['status']}: {job.get('message')}")
+    for parent, child in itertools.pairwise(jobs):
+        parent_end_ms = parent.get("end_time")
+        if parent["status"] != "SUCCEEDED" or not parent_end_ms:
+            continue
+        attempts = child.get("attempts") or []
+        if attempts:
+            links.server_s.append((attempts[0]["start_time"] - parent_end_ms) / 1000)
+        printed_ms = await printed_time_ms(api, child["submission_id"])
+        if printed_ms is not None:
+            links.command_s.append((printed_ms - parent_end_ms) / 1000)
+
+
+async def our_chains(url: str, chains: int, in_flight: int) -> Links:
+    """`chains` chains of 3 on our server, `in_flight` at a time, each submitted at once."""
+    links = Links()
+    prefix = f"c{uuid.uuid4().hex[:6]}"
+    async with new_session(max_connections=2 * in_flight + 4) as session:
+        api = JobsApi(session, url)
+
+        async def one_chain(name: str, into: Links) -> None:
+            chain = [f"{name}-{step}" for step in range(CHAIN_LENGTH)]
+            for step, job_id in enumerate(chain):
+                body: dict[str, Any] = {"entrypoint": ENTRYPOINT, "submission_id": job_id}
+                if step:
+                    body["depends_on"] = [{"submission_id": chain[step - 1]}]
+                async with session.post(api.url("/api/jobs/"), json=body) as response:
+                    if response.status != 200:
+                        raise ApiError(f"POST {job_id}: {response.status} {await response.text()}")
+            deadline_s = time.monotonic() + CHAIN_TIMEOUT_S
+            while not is_terminal(await api.status(chain[-1])):
+                if time.monotonic() > deadline_s:
+                    raise TimeoutError(f"chain {name} still unfinished after {CHAIN_TIMEOUT_S} s")
+                await asyncio.sleep(CHAIN_POLL_INTERVAL_S)
+            await add_links(api, chain, into)
+
+        await asyncio.gather(
+            *(one_chain(f"{prefix}-warm-{n}", Links()) for n in range(WARM_UP_CHAINS))
+        )
+        names = [f"{prefix}-{n:04d}" for n in range(chains)]
+        started_s = time.monotonic()
+
+        async def worker() -> None:
+            while names:
+                await one_chain(names.pop(0), links)
+
+        await asyncio.gather(*(worker() for _ in range(in_flight)))
+        logger.info("%d chains on ours in %.1f s", chains, time.monotonic() - started_s)
+    return links
+
+
+async def ray_chains(url: str, chains: int) -> Links:
+    """`chains` chains of 3 on Ray's server, driven from here: each child submitted once its
+    parent is seen ended (polled every 5 ms)."""
+    links = Links()
+    prefix = f"r{uuid.uuid4().hex[:6]}"
+    async with new_session(max_connections=4) as session:
+        api = JobsApi(session, url)
+        for number in range(chains):
+            chain = [f"{prefix}-{number:03d}-{step}" for step in range(CHAIN_LENGTH)]
+            for job_id in chain:
+                await api.submit(ENTRYPOINT, job_id)
+                deadline_s = time.monotonic() + CHAIN_TIMEOUT_S
+                while not is_terminal(await api.status(job_id)):
+                    if time.monotonic() > deadline_s:
+                        raise TimeoutError(f"{job_id} still unfinished on Ray's server")
+                    await asyncio.sleep(RAY_POLL_INTERVAL_S)
+            await add_links(api, chain, links)
+    links.server_s.clear()  # Ray's jobs have no attempts: only the command's figure compares
+    return links
+
+
+def fmt(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if abs(seconds) < 1 else f"{seconds:.2f} s"
+
+
+def row(name: str, values: list[float]) -> str:
+    if not values:
+        return f"| {name} | — | — | — | — |"
+    return (
+        f"| {name} | {len(values):,} | {fmt(percentile(values, 50))} |"
+        f" {fmt(percentile(values, 99))} | {fmt(max(values))} |"
+    )
+
+
+def render(
+    ours: Links,
+    rays: Links,
+    args: argparse.Namespace,
+    started: datetime.datetime,
+    load: tuple[tuple[float, float, float], tuple[float, float, float]],
+) -> str:
+    p50 = percentile(ours.server_s, 50) if ours.server_s else float("nan")
+    command_p50 = percentile(ours.command_s, 50) if ours.command_s else float("nan")
+    met = p50 <= TARGET_START_P50_S and not ours.failed
+    ratio = (
+        f"{command_p50 / percentile(rays.command_s, 50):.3f}" if rays.command_s else "not measured"
+    )
+    lines = [
+        "# Job dependencies: a child's start after its parent's end (issue 36)",
+        "",
+        f"- date: {started.isoformat(timespec='seconds')}",
+        f"- machine: {os.cpu_count()} cores; load average (1, 5, 15 min) at start:"
+        f" {', '.join(f'{v:.2f}' for v in load[0])}; end: {', '.join(f'{v:.2f}' for v in load[1])}",
+        f"- command: `{shlex.join(COMMAND + sys.argv[1:])}` (from the repository root)",
+        f"- Ray {importlib.metadata.version('ray')}; ours: {args.chains:,} chains of"
+        f" {CHAIN_LENGTH} (`{ENTRYPOINT}`), {args.in_flight} chains at a time; Ray's:"
+        f" {args.ray_chains} chains driven by the client, one at a time",
+        "",
+        "## Target",
+        "",
+        "| target | figure | |",
+        "|---|---:|---|",
+        f"| the child starts within 50 ms of its parent's end, p50 (server) | {fmt(p50)} |"
+        f" {'**met**' if met else '**not met**'} |",
+        "",
+        "## Child start minus parent end",
+        "",
+        "| link (parent end → child start) | links | p50 | p99 | max |",
+        "|---|---:|---:|---:|---:|",
+        row("ours, server: the child's attempt start", ours.server_s),
+        row("ours, command: the child's command printed", ours.command_s),
+        row("Ray's, chain driven by a client polling every 5 ms: the child's command printed",
+            rays.command_s),
+        f"| ratio ours/Ray's, command p50 | | {ratio} | | |",
+        "",
+    ]  # fmt: skip
+    failures = ours.failed + rays.failed
+    if failures:
+        lines += [f"Jobs that did not succeed: {len(failures)}, e.g. {failures[0]}", ""]
+    lines += [
+        "## How it measures",
+        "",
+        "- Ours: a chain's three POSTs go out back to back (B and C wait PENDING for their"
+        " parent); a worker then polls the last job every 50 ms until it ended, reads the three"
+        " jobs' details and the children's logs, and submits its next chain."
+        f" {WARM_UP_CHAINS} chains warm the server up first.",
+        "- Server figure: the child's first attempt's `start_time` (its command handed to the"
+        " supervisor and started) minus its parent's `end_time`, both the server's wall clock in"
+        " ms. Command figure: the child's own `date +%s%N` minus its parent's `end_time`.",
+        "- Ray's: its job server has no dependencies; the client submits each job once it sees"
+        " the previous one ended (polling every 5 ms), as a pipeline driven from outside does.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.job_dependencies",
+        description="Chains of 3 jobs: a child's start after its parent's end (issue 36).",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help=f"{QUICK_CHAINS} chains, {QUICK_RAY_CHAINS} on Ray's"
+    )
+    parser.add_argument("--chains", type=int, default=None, metavar="N")
+    parser.add_argument("--in-flight", type=int, default=DEFAULT_IN_FLIGHT, metavar="N")
+    parser.add_argument("--ray-chains", type=int, default=None, metavar="N")
+    parser.add_argument(
+        "--keep-logs", action="store_true", help="keep the temp dir with Ray's and our logs"
+    )
+    args = parser.parse_args(argv)
+    if args.chains is None:
+        args.chains = QUICK_CHAINS if args.quick else DEFAULT_CHAINS
+    if args.ray_chains is None:
+        args.ray_chains = QUICK_RAY_CHAINS if args.quick else DEFAULT_RAY_CHAINS
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    set_up_benchmark_process()
+    started = datetime.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    work_dir = Path(tempfile.mkdtemp(prefix="jobs-dependencies-", dir="/tmp"))
+    try:
+        with ray_head(work_dir) as head:
+            with jobs_server(head.gcs_address, work_dir) as server:
+                ours = asyncio.run(our_chains(server.url, args.chains, args.in_flight))
+            logger.info("ours: server p50 %s", fmt(percentile(ours.server_s, 50)))
+            rays = asyncio.run(ray_chains(head.dashboard_url, args.ray_chains))
+    finally:
+        for pid, cmdline in kill_survivors(str(work_dir)):
+            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
+        if args.keep_logs:
+            logger.info("logs kept in %s", work_dir)
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+    report = render(ours, rays, args, started, (load_before, os.getloadavg()))
+    sys.stdout.write(report)
+    if not args.quick:
+        RESULTS_PATH.write_text(report)
+        logger.info("written to %s", RESULTS_PATH)
+
+
+if __name__ == "__main__":
+    main()
