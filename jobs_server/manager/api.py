@@ -47,13 +47,21 @@ class JobManagerApi(Protocol):
         ...
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
-        """Record the job (PENDING) of `tenant` and start it, or queue it over a cap;
-        DuplicateJobError if its id is taken (by any tenant), QueueFullError (nothing recorded)
-        if the queue is full."""
+        """Record the job (PENDING) of `tenant` and start it, or queue it over a cap, or hold
+        it until the jobs it depends on ended as it needs; DuplicateJobError if its id is taken
+        (by any tenant), QueueFullError (nothing recorded) if the queue is full,
+        JobNotFoundError (nothing recorded) for a job it depends on that does not exist or is
+        another tenant's."""
         ...
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
         """The job's record; JobNotFoundError if there is none."""
+        ...
+
+    async def dependencies_met(self, records: Sequence[JobRecord]) -> dict[str, dict[str, bool]]:
+        """By job of `records` that depends on others (`depends_on`), whether each of those
+        has met its condition now (one deleted, or of another tenant: False); jobs without
+        dependencies are left out, at no cost."""
         ...
 
     async def list_jobs(

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from jobs_server.errors import (
     LeaderUnavailableError,
 )
 from jobs_server.manager.archive.event_feed import EventFeed, EventFilter, FeedReset
-from jobs_server.manager.archive.events import JobEvent
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.interface import JobArchive
 from jobs_server.manager.archive.job_counts import count_jobs_by_tenant, total_by_status
 from jobs_server.manager.archive.leadership import Leadership
@@ -58,6 +58,11 @@ from jobs_server.manager.logs import (
 )
 from jobs_server.manager.packages import PackageLookup
 from jobs_server.manager.queue.admission import Admission, JobQueue
+from jobs_server.manager.queue.dependency_waits import (
+    DependencyWaits,
+    needs_wait,
+    waiting_message,
+)
 from jobs_server.manager.queue.dispatcher import PENDING_MESSAGE, Dispatcher
 from jobs_server.manager.queue.retries import DEFAULT_RETRY_BACKOFF_S
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, new_run_id, now_ms
@@ -75,6 +80,9 @@ logger = logging.getLogger(__name__)
 END_CHECK_INTERVAL_S = 0.25
 # Past this many jobs remembered, those asked longer ago than the interval are forgotten.
 _END_CHECKS_KEPT = 1024
+# The archive's events are followed again this long after their reading failed (the database
+# away), from the last one seen.
+EVENTS_RETRY_S = 1.0
 
 # The supervisor's code travels with the actor, pickled by value, so a worker node needs nothing
 # but Ray: no jobs_server installed, no runtime env to build before a job can start.
@@ -160,6 +168,10 @@ class JobManager:
         self._queue = JobQueue(
             max_running=max_running_jobs, max_queued=max_queued_jobs, tenant_limits=tenant_limits
         )
+        # Jobs waiting for others to end before they enter the queue (the leader's), decided
+        # by the archive's events, which a task of the leader's follows.
+        self._waits = DependencyWaits()
+        self._dependency_events: asyncio.Task[None] | None = None
         self._launcher = Launcher(
             supervisors=self._supervisors,
             log_dir=log_dir,
@@ -194,6 +206,11 @@ class JobManager:
             watchers=self._watchers,
             supervisors=self._supervisors,
             confirm_lead=self._still_leading,
+            waits=self._waits,
+            dependency_statuses=lambda record: self._views.statuses_now(
+                (dependency.submission_id for dependency in record.spec.depends_on),
+                record.tenant,
+            ),
         )
         # Submits whose insert may have committed though the database's answer was lost.
         self._in_doubt = InDoubtSubmits(archive=archive, on_recorded=self._queue_recorded)
@@ -203,6 +220,7 @@ class JobManager:
             queue=self._queue,
             cluster_resources=self._cluster_resources,
             live_ids=self._live_ids,
+            waits=self._waits,
         )
         self._stopper = JobStopper(
             store=self._store,
@@ -243,7 +261,14 @@ class JobManager:
         # A replica that led before and stepped down may hold a submit's stale entry: the
         # recovery queues again what the archive says waits.
         self._queue.clear()
+        self._waits.clear()
         await self._supervisors.start()
+        # The events from here on decide the waiting jobs; recovery puts them back in the
+        # waits after this, and reads the statuses of the jobs they wait for then.
+        _, newest_event_id = await self._archive.event_id_range()
+        self._dependency_events = asyncio.create_task(
+            self._follow_dependency_events(newest_event_id), name="dependency-events"
+        )
         await Recovery(
             store=self._store,
             archive=self._archive,
@@ -252,6 +277,7 @@ class JobManager:
             launcher=self._launcher,
             watchers=self._watchers,
             queue=self._queue,
+            on_waiting=self._dispatcher.wait_recovered,
         ).recover()
         self._dispatcher.start()
         logger.info("job manager ready; watching %d jobs", len(self._watchers))
@@ -264,13 +290,52 @@ class JobManager:
         supervisors, and the new leader's recovery watches them and queues the queued again."""
         if self._retention is not None:
             await self._retention.close()
+        await self._stop_following_events()
         await self._dispatcher.close()
         await self._watchers.close()
         await self._ends.close()
         await self._in_doubt.close()
         self._in_doubt = InDoubtSubmits(archive=self._archive, on_recorded=self._queue_recorded)
         self._queue.clear()
+        self._waits.clear()
         logger.info("stepped down: the jobs are another replica's to watch now")
+
+    async def _follow_dependency_events(self, after_id: int) -> None:
+        """Tell the waits of every end and deletion the archive records after event `after_id`
+        (this replica's and, on PostgreSQL, every replica's), in order, each once."""
+        while True:
+            try:
+                async for event in self._event_feed.subscribe(
+                    after=after_id, event_filter=EventFilter()
+                ):
+                    if isinstance(event, FeedReset):
+                        # The archive no longer keeps what this fell behind on: read again.
+                        self._dispatcher.recheck_dependencies()
+                        continue
+                    if event is None:
+                        continue
+                    after_id = event.id
+                    if event.type is JobEventType.DELETED:
+                        self._dispatcher.dependency_ended(event.submission_id, None)
+                    elif event.status is not None and event.status.is_terminal():
+                        self._dispatcher.dependency_ended(event.submission_id, event.status)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:
+                logger.warning(
+                    "following the job events failed (%s); again in %.0f s from event %d",
+                    first_line(error),
+                    EVENTS_RETRY_S,
+                    after_id,
+                )
+                await asyncio.sleep(EVENTS_RETRY_S)
+
+    async def _stop_following_events(self) -> None:
+        task, self._dependency_events = self._dependency_events, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def leader_url(self) -> str | None:
         """Where a job write goes: None to handle it here (this replica leads), else the
@@ -319,6 +384,7 @@ class JobManager:
         if self._retention is not None:
             await self._retention.close()
         await self._in_doubt.close()
+        await self._stop_following_events()
         await self._dispatcher.close()
         if self._stop_jobs_on_close_s is not None:
             await self._stopper.stop_all_jobs(
@@ -352,7 +418,7 @@ class JobManager:
             role="follower" if self._leadership and not self._leadership.leading else "leader",
             database_backend="sqlite" if isinstance(self._archive, SqliteArchive) else "postgresql",
             database_connected=connected,
-            jobs_owned=len(self._watchers) + self._queue.queued,
+            jobs_owned=len(self._watchers) + self._queue.queued + len(self._waits),
         )
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
@@ -366,6 +432,8 @@ class JobManager:
         if self._validate_notify is not None:
             self._validate_notify(spec, tenant)
         await validate_runtime_env(spec.runtime_env, self._packages, tenant=tenant)
+        if spec.depends_on:
+            await self._ensure_dependencies_exist(spec, tenant)
         # Either the job exists and runs, or it does not exist: a client that goes away
         # half-way must not cancel the submission between the record and the supervisor.
         return await asyncio.shield(self._record_and_hand_over(spec, tenant))
@@ -385,26 +453,44 @@ class JobManager:
             raise InvalidRequestError(str(error)) from None
         return spec.model_copy(update={"limits": limits})
 
+    async def _ensure_dependencies_exist(self, spec: JobSpec, tenant: str) -> None:
+        """JobNotFoundError for the first job `spec` depends on that is not in the archive, or
+        is another tenant's: the same answer as for a job that does not exist. As they exist
+        before this job does, no cycle can form."""
+        ids = [dependency.submission_id for dependency in spec.depends_on]
+        rows = await asyncio.gather(*(self._archive.get(job_id) for job_id in ids))
+        for job_id, row in zip(ids, rows, strict=True):
+            if row is None or not in_scope(row, tenant):
+                raise JobNotFoundError(job_id)
+
     async def _record_and_hand_over(self, spec: JobSpec, tenant: str) -> JobRecord:
         run_id = new_run_id()
         record = JobRecord(
             spec=spec,
             tenant=tenant,
             start_time=now_ms(),
-            message=PENDING_MESSAGE,
+            message=waiting_message(spec.depends_on) if spec.depends_on else PENDING_MESSAGE,
             supervisor_name=self._supervisors.name_for(spec, run_id),
             run_id=run_id,
         )
         # Its slot or its place in the queue, taken now (no await since the check: of two
-        # submits racing for the last place one wins); a 429 here has recorded nothing.
-        admission = self._queue.admit(record)
+        # submits racing for the last place one wins); a 429 here has recorded nothing. A job
+        # that waits for others takes its place in the queue now, and no slot.
+        admission: Admission | None = None
+        if spec.depends_on:
+            self._queue.reserve(record)
+        else:
+            admission = self._queue.admit(record)
         # On disk before the answer: an accepted job is never lost. If the server dies before
         # the KV has it, the next one's recovery runs (or queues) it.
         try:
             with storage_errors_refused("a submit"):
                 await self._archive.insert(record)
         except BaseException as error:
-            self._queue.cancel(record, admission)
+            if admission is None:
+                self._queue.unreserve(record)
+            else:
+                self._queue.cancel(record, admission)
             self._dispatcher.fill()
             if not insert_may_have_committed(error):
                 raise
@@ -414,6 +500,11 @@ class JobManager:
             )
             self._in_doubt.add(record)
             raise DatabaseUnavailableError(SUBMIT_IN_DOUBT_MESSAGE) from error
+        if admission is None:
+            # Registered before the statuses of the jobs it waits for are read: an end in
+            # between is learnt either way.
+            self._dispatcher.wait(record)
+            return record
         if admission is Admission.QUEUE:
             self._queue.enqueue(record)
             self._dispatcher.fill()
@@ -425,13 +516,50 @@ class JobManager:
 
     def _queue_recorded(self, record: JobRecord) -> None:
         """A submit in doubt was recorded after all: queued, as recovery queues a job never
-        handed over (its slot comes from the queue, within its caps)."""
+        handed over (its slot comes from the queue, within its caps); or, if it depends on
+        others, waits for them."""
+        if needs_wait(record):
+            self._dispatcher.wait_recovered(record)
+            return
         self._queue.requeue(record)
         self._dispatcher.fill()
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
         record = await self._views.record(submission_id, tenant)
         return await self._views.with_wait_message(record, tenant)
+
+    async def dependencies_met(self, records: Sequence[JobRecord]) -> dict[str, dict[str, bool]]:
+        """By job of `records` that depends on others: whether each of those has met its
+        condition now (a deleted one, or another tenant's: False). No read for jobs without
+        dependencies."""
+        wanted: dict[str, set[str]] = {}
+        for record in records:
+            for dependency in record.spec.depends_on:
+                wanted.setdefault(record.tenant, set()).add(dependency.submission_id)
+        if not wanted:
+            return {}
+        tenants = list(wanted)
+        by_tenant = dict(
+            zip(
+                tenants,
+                await asyncio.gather(
+                    *(self._views.statuses_now(wanted[tenant], tenant) for tenant in tenants)
+                ),
+                strict=True,
+            )
+        )
+        met: dict[str, dict[str, bool]] = {}
+        for record in records:
+            if not record.spec.depends_on:
+                continue
+            statuses = by_tenant[record.tenant]
+            met[record.submission_id] = {
+                dependency.submission_id: (status := statuses.get(dependency.submission_id))
+                is not None
+                and dependency.condition.holds(status)
+                for dependency in record.spec.depends_on
+            }
+        return met
 
     async def list_jobs(
         self,
@@ -608,7 +736,7 @@ class JobManager:
             return watched_has_ended
         # A queued job waits in memory: its log's watcher asks 100 times a second while it
         # waits, and the archive's row says nothing the queue does not.
-        if submission_id in self._queue:
+        if submission_id in self._queue or submission_id in self._waits:
             return False
         # Another replica's job (this one follows): its status is in the database and the KV,
         # asked at most every END_CHECK_INTERVAL_S per job rather than at each of the log

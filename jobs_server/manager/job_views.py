@@ -1,6 +1,6 @@
 """What a job is now, as a client sees it: its archived row, for a live job overlaid with what
-the KV says, and for a pending one the wait it is in. Scoped by tenant: another tenant's job is
-not found, as an unknown id is.
+the KV says, and for a pending one the wait it is in (the queue, the jobs it depends on, or
+resources). Scoped by tenant: another tenant's job is not found, as an unknown id is.
 
 A list filtered by status keeps the jobs by the status they have now, the one their GET shows:
 the archive learns a live job's status a moment after the KV, so the live jobs are read
@@ -8,9 +8,10 @@ whatever their archived status, and kept if what they are now matches."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from jobs_server.errors import JobNotFoundError
 from jobs_server.manager.archive.interface import JobArchive
@@ -18,6 +19,7 @@ from jobs_server.manager.archive.sqlite import JobQuery
 from jobs_server.manager.cluster.resources import ClusterResources
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.queue.admission import JobQueue
+from jobs_server.manager.queue.dependency_waits import DependencyWaits, needs_wait
 from jobs_server.manager.records import JobRecord, JobStatus
 
 logger = logging.getLogger(__name__)
@@ -34,10 +36,13 @@ class JobViews:
         queue: JobQueue,
         cluster_resources: ClusterResources,
         live_ids: Callable[[], frozenset[str]] = frozenset,
+        waits: DependencyWaits | None = None,
     ) -> None:
         self._archive = archive
         self._store = store
         self._queue = queue
+        # The leader's waiting jobs (a follower's are empty: their archived message stands).
+        self._waits = DependencyWaits() if waits is None else waits
         self._cluster_resources = cluster_resources
         # The jobs whose archived status may lag the KV's (watched ones, ends the disk refused).
         self._live_ids = live_ids
@@ -48,8 +53,8 @@ class JobViews:
         archived = await self._archive.get(submission_id)
         if archived is None or not in_scope(archived, tenant):
             raise JobNotFoundError(submission_id)
-        if archived.status.is_terminal() or submission_id in self._queue:
-            return archived  # a queued job is not in the KV yet
+        if not self._in_kv(archived):
+            return archived
         (record,) = await self._now([archived])
         if record is None:  # deleted since, or submitted again: the row as it is now
             record = await self._archive.get(submission_id)
@@ -105,12 +110,7 @@ class JobViews:
         messages as a reader who sees `tenant`'s jobs (None: every tenant's) is told them."""
         if all(record.status.is_terminal() for record in records):
             return records
-        # Queued jobs are not in the KV yet.
-        live = [
-            record
-            for record in records
-            if not record.status.is_terminal() and record.submission_id not in self._queue
-        ]
+        live = [record for record in records if self._in_kv(record)]
         now: list[JobRecord | None]
         try:
             now = await self._now(records, live)
@@ -120,6 +120,28 @@ class JobViews:
         return [
             await self.with_wait_message(record, tenant) for record in now if record is not None
         ]
+
+    def _in_kv(self, row: JobRecord) -> bool:
+        """Whether the KV may know more of the job than its row: not of an ended one, nor of
+        one queued or waiting for others (never handed over yet)."""
+        return not (row.status.is_terminal() or row.submission_id in self._queue or needs_wait(row))
+
+    async def statuses_now(
+        self, submission_ids: Iterable[str], tenant: str | None
+    ) -> dict[str, JobStatus | None]:
+        """The status now of each job (of `tenant`; None: any), None for a job that is not
+        there (or is another tenant's): the archive's rows, the live ones' from the KV in one
+        round trip."""
+        ids = list(dict.fromkeys(submission_ids))
+        rows = await asyncio.gather(*(self._archive.get(job_id) for job_id in ids))
+        found = [row for row in rows if row is not None and in_scope(row, tenant)]
+        live = [row for row in found if self._in_kv(row)]
+        now = await self._now(found, live) if live else list(found)
+        statuses: dict[str, JobStatus | None] = dict.fromkeys(ids)
+        for record in now:
+            if record is not None and in_scope(record, tenant):
+                statuses[record.submission_id] = record.status
+        return statuses
 
     async def _now(
         self, rows: list[JobRecord], live: list[JobRecord] | None = None
@@ -148,6 +170,9 @@ class JobViews:
         `tenant`'s jobs (None: an admin) is told its own tenant's numbers only."""
         if record.status is not JobStatus.PENDING:
             return record
+        if needs_wait(record):
+            waiting_for = self._waits.describe(record.submission_id)
+            return record if waiting_for is None else record.with_changes(message=waiting_for)
         queued = self._queue.describe(record.submission_id, own_tenant_only=tenant is not None)
         if queued is not None:
             return record.with_changes(message=queued)

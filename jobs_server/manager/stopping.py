@@ -1,5 +1,6 @@
-"""Stopping jobs: one on request (a queued one before it starts, a pending one called off by
-its supervisor, a running one asked to stop), and every live one when an embedded server closes."""
+"""Stopping jobs: one on request (a queued one, or one waiting for others, before it starts; a
+pending one called off by its supervisor; a running one asked to stop), and every live one when
+an embedded server closes (the queued and the waiting stay for the next server)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from jobs_server.manager.live.kv import RETRYABLE_GCS_ERRORS
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.queue.admission import JobQueue
+from jobs_server.manager.queue.dependency_waits import needs_wait
 from jobs_server.manager.queue.dispatcher import Dispatcher
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
@@ -234,8 +236,9 @@ class JobStopper:
             "The job was stopped because the server shut down (in embedded mode its Ray "
             "instance stops with it)."
         )
-        # Queued jobs never started: they stay queued, for the next server to run.
-        live = [r for r in await self._archive.unfinished() if r.submission_id not in self._queue]
+        # Queued jobs (and those waiting for others) never started: they stay queued (or
+        # waiting), for the next server to run.
+        live = [r for r in await self._archive.unfinished() if not self._never_handed_over(r)]
         grace_s = max(0.0, min(self._stop_grace_s, timeout_s - 1.0))
         # The jobs whose supervisor got the stop: STOPPED is true of them whatever follows.
         told: set[str] = set()
@@ -275,7 +278,7 @@ class JobStopper:
         # unless the cluster is gone: then the job was not stopped, it ends with the cluster.
         left = 0
         for record in await self._archive.unfinished():
-            if record.submission_id in self._queue:
+            if self._never_handed_over(record):
                 continue
             if cluster.gone and record.submission_id not in told:
                 left += 1
@@ -298,6 +301,9 @@ class JobStopper:
                 "gone): %d",
                 left,
             )
+
+    def _never_handed_over(self, record: JobRecord) -> bool:
+        return record.submission_id in self._queue or needs_wait(record)
 
 
 @contextlib.contextmanager

@@ -152,8 +152,17 @@ async def _details_json(
 ) -> list[str]:
     cache = request.app[JOB_DETAILS_CACHE_KEY]
     drivers = await request.app[RAY_DRIVERS_KEY].find(records)
+    # Whether a job's dependencies are met changes after it ended (one deleted): its details
+    # are made each time, never cached.
+    met = await request.app[JOB_MANAGER_KEY].dependencies_met(records)
     return [
-        cache.json_for(record, drivers.get(record.submission_id), remember=remember)
+        JobDetails.from_record(
+            record,
+            drivers.get(record.submission_id),
+            dependencies_met=met[record.submission_id],
+        ).model_dump_json()
+        if record.submission_id in met
+        else cache.json_for(record, drivers.get(record.submission_id), remember=remember)
         for record in records
     ]
 
@@ -187,11 +196,19 @@ async def _stream_jobs(
 
 @routes.get("/api/jobs/{job_id}", name="get_job")
 async def get_job(request: web.Request) -> web.Response:
-    record = await request.app[JOB_MANAGER_KEY].get_job(
+    manager = request.app[JOB_MANAGER_KEY]
+    record = await manager.get_job(
         request.match_info["job_id"], tenant=request[PRINCIPAL_KEY].tenant_scope
     )
     drivers = await request.app[RAY_DRIVERS_KEY].find([record])
-    return json_response(JobDetails.from_record(record, drivers.get(record.submission_id)))
+    met = await manager.dependencies_met([record])
+    return json_response(
+        JobDetails.from_record(
+            record,
+            drivers.get(record.submission_id),
+            dependencies_met=met.get(record.submission_id),
+        )
+    )
 
 
 @routes.post("/api/jobs/{job_id}/stop", name="stop_job")

@@ -169,6 +169,10 @@ class FakeJobManager:
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
         """Check the runtime env as the real manager does, then record the job PENDING."""
         await validate_runtime_env(spec.runtime_env, self.packages, tenant=tenant)
+        for dependency in spec.depends_on:
+            parent = self._records.get(dependency.submission_id)
+            if parent is None or parent.tenant != tenant:
+                raise JobNotFoundError(dependency.submission_id)
         if spec.submission_id in self._records:
             raise DuplicateJobError(spec.submission_id)
         record = JobRecord(spec=spec, start_time=now_ms(), message="Job is pending.", tenant=tenant)
@@ -178,6 +182,23 @@ class FakeJobManager:
 
     async def get_job(self, submission_id: str, *, tenant: str | None = None) -> JobRecord:
         return self._get(submission_id, tenant)
+
+    async def dependencies_met(self, records: Sequence[JobRecord]) -> dict[str, dict[str, bool]]:
+        """As the real one: each dependency's condition against its job's status now (a job
+        gone, or of another tenant: False)."""
+        met: dict[str, dict[str, bool]] = {}
+        for record in records:
+            if not record.spec.depends_on:
+                continue
+            met[record.submission_id] = {}
+            for dependency in record.spec.depends_on:
+                parent = self._records.get(dependency.submission_id)
+                met[record.submission_id][dependency.submission_id] = (
+                    parent is not None
+                    and parent.tenant == record.tenant
+                    and dependency.condition.holds(parent.status)
+                )
+        return met
 
     async def list_jobs(
         self,

@@ -9,7 +9,9 @@ is queued again, and runs when the queue hands it a slot) or a job whose cluster
 its KV (it failed); a KV record the archive does not have (the archive was lost, or written by
 a server before it) is imported. A pending job with no supervisor running it is run only if its
 command never began (no log): one handed over on another log directory, whose log this server
-cannot see, fails instead (it must never run twice).
+cannot see, fails instead (it must never run twice). A job that still waits for others to end
+(`depends_on`, no `dependencies_met_time`) goes back to the waits (`on_waiting`), which read the
+statuses of those now; one whose dependencies were met is queued as any other.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jobs_server.manager.live.kv import retried
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.queue.admission import JobQueue
+from jobs_server.manager.queue.dependency_waits import needs_wait
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.supervisor_calls import first_line
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -60,8 +63,10 @@ class Recovery:
         launcher: Launcher,
         watchers: JobWatchers,
         queue: JobQueue,
+        on_waiting: Callable[[JobRecord], None] | None = None,
     ) -> None:
         self._queue = queue
+        self._on_waiting = on_waiting
         self._store = store
         self._archive = archive
         self._history = history
@@ -252,7 +257,11 @@ class Recovery:
         if row.status is JobStatus.PENDING and not await self._may_have_begun(row):
             # Queued when the server stopped, or it died between archiving the job and handing
             # it over (or the cluster went away before it began): it was accepted, so it runs
-            # when the queue hands it a slot.
+            # when the queue hands it a slot (once the jobs it waits for ended as it needs).
+            if needs_wait(row) and self._on_waiting is not None:
+                logger.info("job %s waits for its dependencies again", row.submission_id)
+                self._on_waiting(row)
+                return
             logger.info("job %s was never handed to a supervisor; queued", row.submission_id)
             self._queue.requeue(row)
             return

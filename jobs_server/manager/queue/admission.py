@@ -147,7 +147,8 @@ class JobQueue:
         self._running_by_tenant: Counter[str] = Counter()
         self._tenants: dict[str, _TenantQueue] = {}
         self._queued: dict[str, _Entry] = {}
-        # Places reserved by submits whose rows are being archived.
+        # Places reserved by submits whose rows are being archived, and by jobs that wait for
+        # others to end (dependency_waits.py) before they enter the queue.
         self._reserved_by_tenant: Counter[str] = Counter()
         self._arrivals = 0
         # When each tenant was last handed a job from the queue (a turn counter).
@@ -228,6 +229,19 @@ class JobQueue:
         self._reserved_by_tenant[tenant] += 1
         return Admission.QUEUE
 
+    def reserve(self, record: JobRecord, *, checked: bool = True) -> None:
+        """Reserve a place in the queue for a job that waits for others before it enters it
+        (`enqueue` once they ended as it needs, `unreserve` if it never will); QueueFullError
+        if there is none (unless not `checked`: recovery's, of a job accepted before)."""
+        if checked:
+            self._check_room(record.tenant)
+        self._reserved_by_tenant[record.tenant] += 1
+
+    def unreserve(self, record: JobRecord) -> None:
+        """Give back a place reserved for a run that will not enter the queue."""
+        if self._reserved_by_tenant[record.tenant] > 0:
+            self._reserved_by_tenant[record.tenant] -= 1
+
     def _check_room(self, tenant: str) -> None:
         if self._max_queued is not None and self._queued_places() >= self._max_queued:
             # The submitter's own tenant's numbers: the others' are not its to know.
@@ -249,9 +263,7 @@ class JobQueue:
 
     def enqueue(self, record: JobRecord) -> None:
         """Queue an admitted run (its place was reserved by `admit`), now that it is archived."""
-        tenant = record.tenant
-        if self._reserved_by_tenant[tenant] > 0:
-            self._reserved_by_tenant[tenant] -= 1
+        self.unreserve(record)
         self.requeue(record)
 
     def requeue(self, record: JobRecord) -> None:
@@ -266,8 +278,8 @@ class JobQueue:
         """Undo `admit` for a run that was not recorded (its archive row failed)."""
         if admission is Admission.START:
             self.free(record)
-        elif self._reserved_by_tenant[record.tenant] > 0:
-            self._reserved_by_tenant[record.tenant] -= 1
+        else:
+            self.unreserve(record)
 
     # -- slots ------------------------------------------------------------------------------
 

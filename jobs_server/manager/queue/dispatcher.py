@@ -13,6 +13,15 @@ is the client's answer; a queued job, accepted long ago, ends FAILED.
 A stop of a queued job takes it out of the queue and archives it STOPPED: its command never
 runs. A stop that meets the job while it is being handed over calls the hand-over off before the
 supervisor is asked to run it (or, if that was already asked, lets the usual stop do its work).
+
+A job that depends on others (`depends_on`) waits before the queue (dependency_waits.py), its
+place in the queue reserved: it is registered in the waits first, then the statuses of the jobs
+it waits for are read (so an end between the two is learnt either way), and each end or
+deletion after that comes from the archive's events (`dependency_ended`). Once every condition
+holds, its `dependencies_met_time` is archived and it enters the queue; once one can no longer
+hold, it is archived FAILED (DEPENDENCY_NEVER_SATISFIED) as a stopped queued job is, and its own
+end event decides its dependents in turn. A write that fails puts it back in the waits, and its
+statuses are read again after a pause.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.logs import set_aside_orphaned_log
 from jobs_server.manager.queue.admission import JobQueue
+from jobs_server.manager.queue.dependency_waits import DependencyWaits, Outcome, Resolution
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -49,6 +59,19 @@ from jobs_server.manager.supervisors import Supervisors, is_dedicated
 logger = logging.getLogger(__name__)
 
 PENDING_MESSAGE = "Job is pending."
+
+# A waiting job whose statuses could not be read, or whose resolution could not be written
+# (the database away), is tried again after this long, doubled up to the most.
+DEPENDENCY_RETRY_INITIAL_S = 0.5
+DEPENDENCY_RETRY_MAX_S = 30.0
+
+# The statuses now of the jobs a waiting job depends on, by id (None: not there, or another
+# tenant's).
+DependencyStatuses = Callable[[JobRecord], Awaitable[dict[str, JobStatus | None]]]
+
+
+async def _no_dependency_statuses(record: JobRecord) -> dict[str, JobStatus | None]:
+    return {}
 
 
 async def _always_leading() -> None:
@@ -87,8 +110,16 @@ class Dispatcher:
         watchers: JobWatchers,
         supervisors: Supervisors,
         confirm_lead: Callable[[], Awaitable[None]] = _always_leading,
+        waits: DependencyWaits | None = None,
+        dependency_statuses: DependencyStatuses = _no_dependency_statuses,
     ) -> None:
         self._queue = queue
+        self._waits = DependencyWaits() if waits is None else waits
+        self._dependency_statuses = dependency_statuses
+        # The waiting jobs' reads and resolutions; and, by job, the resolution being written
+        # (a stop waits for it, then finds the job queued or ended).
+        self._dependency_tasks: set[asyncio.Task[None]] = set()
+        self._resolving: dict[str, asyncio.Event] = {}
         # Awaited before each step that cannot be undone (leadership.py): a replica that lost
         # the lead while frozen never hands a job over that the new leader hands over too.
         self._confirm_lead = confirm_lead
@@ -116,7 +147,7 @@ class Dispatcher:
         """Stop dispatching; a hand-over cut short is finished by the next server's recovery
         (a KV record without a supervisor is started; a row without one is queued again)."""
         self._closed = True
-        tasks = list(self._handing_over.values())
+        tasks = [*self._handing_over.values(), *self._dependency_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -133,6 +164,102 @@ class Dispatcher:
             return
         while (record := self._queue.next_to_dispatch()) is not None:
             self._begin_hand_over(record, LaunchFailure.FAIL)
+
+    # -- jobs waiting for others -----------------------------------------------------------
+
+    def wait(self, record: JobRecord) -> None:
+        """Hold a recorded job that waits for others (its place in the queue reserved), and
+        decide at once what the statuses of those already tell."""
+        self._waits.add(record)
+        self._spawn(self._settle(record), record)
+
+    def wait_recovered(self, record: JobRecord) -> None:
+        """Recovery's: a job accepted by an earlier server that still waits."""
+        self._queue.reserve(record, checked=False)
+        self.wait(record)
+
+    def dependency_ended(self, submission_id: str, status: JobStatus | None) -> None:
+        """The job `submission_id` ended `status` (None: it was deleted): decide the jobs that
+        wait for it (no await: each decided job leaves the waits here, once)."""
+        for resolution in self._waits.learn(submission_id, status):
+            self._spawn(self._settle(resolution.record, resolution), resolution.record)
+
+    def recheck_dependencies(self) -> None:
+        """Read again the statuses of what every waiting job waits for (ends may have been
+        missed: the events fell behind the archive's window)."""
+        for submission_id in self._waits.waiting_ids():
+            record = self._waits.record(submission_id)
+            if record is not None:
+                self._spawn(self._settle(record), record)
+
+    def _spawn(self, work: Awaitable[None], record: JobRecord) -> None:
+        task = asyncio.ensure_future(work)
+        task.set_name(f"dependencies-{record.run_id}")
+        self._dependency_tasks.add(task)
+        task.add_done_callback(self._dependency_tasks.discard)
+
+    async def _settle(self, record: JobRecord, resolution: Resolution | None = None) -> None:
+        """Carry `resolution` out, or (None) read the statuses of what `record` waits for and
+        carry out what they decide; on a failure, wait and read them again."""
+        delay_s = DEPENDENCY_RETRY_INITIAL_S
+        while True:
+            try:
+                if resolution is None:
+                    statuses = await self._dependency_statuses(record)
+                    resolution = self._waits.learn_statuses(record.submission_id, statuses)
+                    if resolution is None:
+                        return  # it waits on (or was decided or stopped meanwhile)
+                await self._resolve(resolution)
+                return
+            except (asyncio.CancelledError, LeaderUnavailableError):
+                raise
+            except Exception as error:
+                logger.warning(
+                    "job %s's dependencies: %s; again in %.1f s",
+                    record.submission_id,
+                    error,
+                    delay_s,
+                    exc_info=not is_database_unavailable(error),
+                )
+            resolution = None  # `_resolve` put it back in the waits
+            await asyncio.sleep(delay_s)
+            delay_s = min(2 * delay_s, DEPENDENCY_RETRY_MAX_S)
+            if record.submission_id not in self._waits:
+                return  # stopped meanwhile
+
+    async def _resolve(self, resolution: Resolution) -> None:
+        """Archive what was decided of a waiting job (taken out of the waits): it enters the
+        queue, or ends FAILED."""
+        record = resolution.record
+        done = self._resolving[record.submission_id] = asyncio.Event()
+        try:
+            await self._confirm_lead()
+            if resolution.outcome is Outcome.MET:
+                met = record.with_changes(dependencies_met_time=now_ms(), message=PENDING_MESSAGE)
+                stored = await self._archive.update(met)
+                if stored is None or stored.status.is_terminal():
+                    self._queue.unreserve(record)  # it ended otherwise meanwhile
+                    return
+                self._queue.enqueue(met)
+                self.fill()
+                return
+            logger.info("job %s fails: %s", record.submission_id, resolution.reason)
+            await self._archive_stop_of_queued(
+                record.with_changes(
+                    status=JobStatus.FAILED,
+                    end_time=now_ms(),
+                    error_type=JobErrorType.DEPENDENCY_NEVER_SATISFIED,
+                    message=resolution.reason,
+                )
+            )
+            self._queue.unreserve(record)
+        except BaseException:
+            # Still waiting, as its row says (before a stop that waits for this goes on).
+            self._waits.add(record)
+            raise
+        finally:
+            del self._resolving[record.submission_id]
+            done.set()
 
     async def hand_over_now(self, record: JobRecord) -> HandOver:
         """Hand over a job just submitted and admitted (its slot taken, its row archived);
@@ -277,7 +404,23 @@ class Dispatcher:
         """Stop the run `record` if it has not been handed to a supervisor: True once it is
         archived STOPPED (its command never runs), False if its hand-over failed (it ended
         FAILED); None if it was handed over (or never queued): the usual stop applies, to the
-        record as it is now."""
+        record as it is now. A job waiting for others is stopped as a queued one is."""
+        resolving = self._resolving.get(record.submission_id)
+        if resolving is not None:
+            await resolving.wait()  # it is queued now, or ended
+        waiting = self._waits.remove(record.submission_id, record.run_id)
+        if waiting is not None:
+            try:
+                await self._archive_stop_of_queued(
+                    waiting.with_changes(
+                        status=JobStatus.STOPPED, end_time=now_ms(), message=NEVER_STARTED_MESSAGE
+                    )
+                )
+            except BaseException:
+                self.wait(waiting)  # still waiting, as its row says
+                raise
+            self._queue.unreserve(waiting)
+            return True
         withdrawn = self._queue.withdraw(record.submission_id, record.run_id)
         if withdrawn is not None:
             stopped = withdrawn.with_changes(
