@@ -17,6 +17,7 @@ from jobs_server.manager.archive.outbox import (
     PlannedDelivery,
     TargetSource,
     WebhookDelivery,
+    webhook_events_of,
 )
 from jobs_server.manager.records import (
     JobAttempt,
@@ -194,6 +195,60 @@ async def test_a_retry_writes_an_event_and_its_deliveries(outbox: JobArchive) ->
         WebhookEventType.SUCCEEDED,
     ]
     assert [delivery.event_id for delivery in deliveries[::2]] == [event.id for event in events[1:]]
+
+
+async def test_a_start_learnt_with_its_first_attempt_ended_is_a_start_and_a_retry(
+    outbox: JobArchive,
+) -> None:
+    """A short first attempt's start is written with its end (and the wait before its retry)."""
+    job = record("a")
+    await outbox.insert(job)
+    await outbox.update(running(job, 1))
+    events = (await outbox.events_after(0, 100))[1:]
+    assert [(event.type, event.status) for event in events] == [
+        (JobEventType.STATUS, JobStatus.RUNNING)
+    ] * 2
+    deliveries = await outbox.deliveries_of("a")
+    assert [(d.event_type, d.event_id) for d in deliveries[::2]] == [
+        (WebhookEventType.STARTED, events[0].id),
+        (WebhookEventType.RETRYING, events[1].id),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("stored", "stored_ended", "status", "ended", "expected"),
+    [
+        (None, 0, JobStatus.PENDING, 0, ()),
+        (JobStatus.PENDING, 0, JobStatus.PENDING, 0, ()),
+        (JobStatus.PENDING, 0, JobStatus.RUNNING, 0, (WebhookEventType.STARTED,)),
+        (
+            JobStatus.PENDING,
+            0,
+            JobStatus.RUNNING,
+            1,
+            (WebhookEventType.STARTED, WebhookEventType.RETRYING),
+        ),
+        (JobStatus.RUNNING, 0, JobStatus.RUNNING, 0, ()),
+        (JobStatus.RUNNING, 1, JobStatus.RUNNING, 1, ()),
+        (JobStatus.RUNNING, 1, JobStatus.RUNNING, 2, (WebhookEventType.RETRYING,)),
+        # Learnt late (a server restarted meanwhile): a retry per attempt ended since.
+        (JobStatus.RUNNING, 0, JobStatus.RUNNING, 2, (WebhookEventType.RETRYING,) * 2),
+        (JobStatus.RUNNING, 1, JobStatus.SUCCEEDED, 2, (WebhookEventType.SUCCEEDED,)),
+        (JobStatus.RUNNING, 0, JobStatus.FAILED, 1, (WebhookEventType.FAILED,)),
+        (JobStatus.PENDING, 0, JobStatus.STOPPED, 0, (WebhookEventType.STOPPED,)),
+    ],
+)
+def test_which_webhook_events_a_change_is(
+    stored: JobStatus | None,
+    stored_ended: int,
+    status: JobStatus,
+    ended: int,
+    expected: tuple[WebhookEventType, ...],
+) -> None:
+    changed = running(record("a"), ended).with_changes(status=status)
+    if status.is_terminal():
+        changed = changed.with_changes(attempts=changed.attempts[:-1])
+    assert webhook_events_of(stored, stored_ended, changed) == expected
 
 
 async def test_no_delivery_for_a_disabled_endpoint(outbox: JobArchive) -> None:

@@ -231,4 +231,4 @@ async def test_a_start_first_written_with_the_wait_to_retry_is_reported(
         event.status
         for event in events
         if event.submission_id == job_id and event.type is JobEventType.STATUS
-    ] == [JobStatus.RUNNING, JobStatus.FAILED]
+    ] == [JobStatus.RUNNING, JobStatus.RUNNING, JobStatus.FAILED]  # its start, its retry, its end

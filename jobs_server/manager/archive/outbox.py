@@ -87,18 +87,22 @@ def ended_attempts(record: JobRecord) -> int:
     return sum(1 for attempt in record.attempts if attempt.end_time is not None)
 
 
-def webhook_event_of(
+def webhook_events_of(
     stored_status: JobStatus | None, stored_ended_attempts: int, record: JobRecord
-) -> WebhookEventType | None:
-    """The webhook event that writing `record` over a row of `stored_status` (None: a new row)
-    with `stored_ended_attempts` is, if any: a start, an end, or a failed attempt that another
-    follows (the job RUNNING still, one more attempt ended)."""
+) -> tuple[WebhookEventType, ...]:
+    """The webhook events that writing `record` over a row of `stored_status` (None: a new row)
+    with `stored_ended_attempts` is, in order: a start, an end, and a retry for each attempt
+    ended since while the job is RUNNING still (another attempt follows it). A start learnt
+    with its first attempt ended already (a short attempt's start is written with its end) is
+    a start and a retry."""
     status = record.status
-    if status == stored_status:
-        if status is JobStatus.RUNNING and ended_attempts(record) > stored_ended_attempts:
-            return WebhookEventType.RETRYING
-        return None
-    return _EVENT_OF_STATUS.get(status)
+    events: tuple[WebhookEventType, ...] = ()
+    if status != stored_status and status in _EVENT_OF_STATUS:
+        events = (_EVENT_OF_STATUS[status],)
+    if status is JobStatus.RUNNING:
+        before = stored_ended_attempts if stored_status is JobStatus.RUNNING else 0
+        events += (WebhookEventType.RETRYING,) * max(0, ended_attempts(record) - before)
+    return events
 
 
 _EVENT_OF_STATUS = {

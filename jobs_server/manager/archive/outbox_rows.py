@@ -18,7 +18,7 @@ from jobs_server.manager.archive.outbox import (
     TargetSource,
     WebhookDelivery,
     ended_attempts,
-    webhook_event_of,
+    webhook_events_of,
 )
 from jobs_server.manager.records import JobRecord, JobStatus, RecordParser
 from jobs_server.manager.webhook_events import WebhookEventType
@@ -115,12 +115,13 @@ def new_delivery_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def webhook_event_of_row(
+def events_of_change(
     stored_status: JobStatus, stored_text: str, record: JobRecord, parse: RecordParser
-) -> WebhookEventType | None:
-    """`webhook_event_of` a change of the stored row (its status, its record's text) to
-    `record`. The stored record is parsed only where a retry may be (RUNNING learnt again with
-    an attempt ended): a start or an end, the common changes, needs no parse."""
+) -> list[WebhookEventType | None]:
+    """The status events a change of the stored row (its status, its record's text) to `record`
+    is, one each: the webhook event it is (`webhook_events_of`), None for a change of status that
+    is none (back to PENDING). The stored record is parsed only where a retry may be (RUNNING
+    learnt again with an attempt ended): a start or an end, the common changes, needs no parse."""
     stored_ended = 0
     if (
         stored_status is JobStatus.RUNNING
@@ -128,7 +129,12 @@ def webhook_event_of_row(
         and ended_attempts(record) > 0
     ):
         stored_ended = ended_attempts(parse(stored_text))
-    return webhook_event_of(stored_status, stored_ended, record)
+    events: list[WebhookEventType | None] = list(
+        webhook_events_of(stored_status, stored_ended, record)
+    )
+    if not events and record.status is not stored_status:
+        events.append(None)
+    return events
 
 
 def planned_rows(

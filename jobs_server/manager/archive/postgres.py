@@ -536,9 +536,7 @@ class PostgresArchive:
         stored_status = JobStatus(status)
         if stored_status.is_terminal():
             return JobRecord.model_validate_json(stored), []
-        webhook_event = outbox_rows.webhook_event_of_row(
-            stored_status, stored, record, self.parse_record
-        )
+        changes = outbox_rows.events_of_change(stored_status, stored, record, self.parse_record)
         text = record.model_dump_json()
         await db.execute(
             pyformat(queries.UPDATE_RUN),
@@ -553,7 +551,7 @@ class PostgresArchive:
         )
         events = []
         # A retry (RUNNING still) is an event too: the stream shows it, its deliveries name it.
-        if record.status is not stored_status or webhook_event is not None:
+        for webhook_event in changes:
             event = await _add_event(
                 db,
                 JobEventType.STATUS,

@@ -63,6 +63,15 @@ class JobHistory:
         """The command began (RUNNING): archive it, best effort (its end will be archived in
         any case, and the end is what matters). `written`: the start as its supervisor wrote
         it, if it said (archived without reading the KV)."""
+        await self._learn_running(record, written, "the start")
+
+    async def learn_retry(self, record: JobRecord, *, written: JobRecord) -> None:
+        """An attempt ended and another follows (the job RUNNING still): archive the record as
+        its supervisor wrote it then (no read of the KV: queued for the archive at once, so
+        before the run's end), best effort as a start is."""
+        await self._learn_running(record, written, "a retry")
+
+    async def _learn_running(self, record: JobRecord, written: JobRecord | None, what: str) -> None:
         try:
             if written is not None and written.run_id == record.run_id:
                 await self._archive.update(written)
@@ -71,7 +80,8 @@ class JobHistory:
         except Exception as error:
             away = is_database_unavailable(error)
             logger.warning(
-                "archiving the start of job %s failed%s",
+                "archiving %s of job %s failed%s",
+                what,
                 record.submission_id,
                 f": the database does not answer ({first_line(error)})" if away else "",
                 exc_info=not away,

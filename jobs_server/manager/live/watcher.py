@@ -8,6 +8,7 @@ retried with backoff, so a job always reaches a true terminal status.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from ray.exceptions import (
 )
 
 from jobs_server.errors import JobNotFoundError
+from jobs_server.manager.archive.outbox import ended_attempts
 from jobs_server.manager.cluster.resources import ClusterResources, node_is_alive
 from jobs_server.manager.launcher import Launch, Launcher
 from jobs_server.manager.live.history import JobHistory
@@ -219,12 +221,15 @@ class JobWatchers:
         the failure its supervisor cannot report, if any. `started`: the start its supervisor
         reports, for a job handed over in a batch (run_batches.py)."""
         log_pull: asyncio.Task[None] | None = None
+        retries: asyncio.Task[None] | None = None
         try:
             try:
                 if finished is not None:
                     finished = future_of(finished)
+                # The run as its start was written, if its supervisor said.
+                written_start: JobRecord | None = None
                 if finished is not None and started is not None:
-                    await self._learn_reported_start(record, started, finished)
+                    written_start = await self._learn_reported_start(record, started, finished)
                 elif finished is None or not await ends_at_once(record, finished):
                     log_pull = await self._wait_until_started(record, supervisor)
                     if finished is None:
@@ -233,6 +238,11 @@ class JobWatchers:
                         )
                     if not finished.done():
                         await self._history.learn_started(record)
+                if record.spec.max_retries > 0 and not finished.done():
+                    # Started: its supervisor has the run, and tells each retry.
+                    retries = asyncio.create_task(
+                        self._follow_retries(written_start or record, supervisor)
+                    )
                 # A job that ended before the server learnt that it started goes to the
                 # archive once, ended (no RUNNING event: its RUNNING was never seen there).
                 answer = await self._wait_for_end(record, supervisor, finished)
@@ -262,6 +272,41 @@ class JobWatchers:
         finally:
             if log_pull is not None:
                 log_pull.cancel()
+            if retries is not None:
+                # A retry's archiving that has begun is queued before the end's (the archive
+                # writes in call order): only the wait for the next retry is cut.
+                retries.cancel()
+
+    async def _follow_retries(self, record: JobRecord, supervisor: Any) -> None:
+        """Archive each attempt's end that a retry follows, as its supervisor wrote it (the
+        archive makes it an event: `job.retrying`), until the run ends. A long poll, and only
+        for a job that may retry: the others cost no call.
+
+        Its supervisor answers as soon as a retry is written, and the next attempt starts only
+        after the retry's back-off: the answer comes here before the run's end. (Not surely
+        with a back-off of 0 and a next attempt shorter than the answer's way here: then the
+        end may be archived first, and that retry is no event.)"""
+        submission_id, run_id = record.submission_id, record.run_id
+        ended = ended_attempts(record)
+        while True:
+            try:
+                ask = functools.partial(
+                    supervisor.wait_attempt_ended.remote, submission_id, run_id, ended
+                )
+                answer = await while_unreachable(ask(), ask)
+            except ActorDiedError:
+                return  # the run's wait for its end says what became of it
+            except Exception:
+                # The end is archived all the same; only the retries' events would be missed.
+                logger.warning(
+                    "following the retries of job %s failed", submission_id, exc_info=True
+                )
+                return
+            if answer is None:
+                return  # ended (or not this supervisor's run): the end says the rest
+            written = JobRecord.model_validate(answer)
+            ended = ended_attempts(written)
+            await self._history.learn_retry(record, written=written)
 
     async def _run_on_replacement(self, record: JobRecord) -> JobFailure | JobRecord | None:
         """A warm supervisor that died before anyone noticed: the job never started, so it
@@ -276,10 +321,10 @@ class JobWatchers:
         record: JobRecord,
         started: asyncio.Future[dict[str, Any] | None],
         finished: asyncio.Future[Any],
-    ) -> None:
+    ) -> JobRecord | None:
         """Wait for the start its supervisor reports (once written: a short job has none) or
         the run's end, at most what is left of the start timeout; archive the start if it
-        came first. No call to the supervisor, no read of the KV."""
+        came first, and return it. No call to the supervisor, no read of the KV."""
         waits: set[asyncio.Future[Any]] = {started, finished}
         done, _ = await asyncio.wait(
             waits, timeout=self._start_time_left_s(record), return_when=asyncio.FIRST_COMPLETED
@@ -287,8 +332,11 @@ class JobWatchers:
         if not done:
             raise JobStartTimeoutError(await self._start_timeout_message(record.spec))
         written = started.result() if started.done() else None
-        if written is not None and not finished.done():
-            await self._history.learn_started(record, written=JobRecord.model_validate(written))
+        if written is None or finished.done():
+            return None
+        start = JobRecord.model_validate(written)
+        await self._history.learn_started(record, written=start)
+        return start
 
     def _start_time_left_s(self, record: JobRecord) -> float | None:
         """What is left of a PENDING run's start timeout, counted from its hand-over (None:

@@ -176,6 +176,19 @@ class JobSupervisor:
         status = (await self.job_store().get(submission_id, run_id)).status
         return status if status.is_terminal() else None
 
+    async def wait_attempt_ended(
+        self, submission_id: str, run_id: str, ended_attempts: int
+    ) -> dict[str, Any] | None:
+        """Return once the run has more than `ended_attempts` attempts ended before a retry
+        (the job RUNNING still): its record as written then (`JobRecord` fields); None once it
+        ended without one, or if this supervisor does not run it. The server's long poll for
+        the retries of a job that may have them (live/watcher.py)."""
+        run = self._runs.get(submission_id)
+        if run is None or run.task is None or run.job.run_id != run_id:
+            return None
+        written = await run.wait_retry_beyond(ended_attempts)
+        return None if written is None else written.model_dump(mode="json")
+
     async def wait_started(self, submission_id: str) -> bool:
         """Return once the job's command has started, or the job ended without starting; True if
         its log is spooled here for the server to pull (`read_spooled_log`)."""

@@ -382,7 +382,11 @@ class JobAttempts:
             message=backoff_message(count, job.spec.max_retries, end.exit_code, delay_s),
             attempts=tuple(self._attempts),
         )
-        return record if record.status.is_terminal() else delay_s
+        if record.status.is_terminal():
+            return record
+        # The server learns it (a retry is an event), before the next attempt can end.
+        self._run.retry_was_written(record)
+        return delay_s
 
     async def _back_off(self, delay_s: float) -> JobRecord | None:
         """Wait `delay_s` before the next attempt: None when it may start, or the job's end if

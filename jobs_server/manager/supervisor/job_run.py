@@ -86,6 +86,34 @@ class JobRun:
     """Stopped before its start began: the command never starts."""
     on_start_written: Callable[[JobRecord], None] | None = None
     """Told the record once the job's start (RUNNING) is written, if it is before its end."""
+    retry_written: JobRecord | None = None
+    """The record as last written with an attempt's end that another attempt follows (RUNNING
+    still, every attempt in it ended): what the server's long poll for retries is given
+    (actor.py `wait_attempt_ended`)."""
+    retry_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (and replaced) each time `retry_written` changes."""
+
+    def retry_was_written(self, record: JobRecord) -> None:
+        """`record`, with an attempt's end before a retry, is written: wake the polls."""
+        self.retry_written = record
+        changed, self.retry_changed = self.retry_changed, asyncio.Event()
+        changed.set()
+
+    async def wait_retry_beyond(self, ended_attempts: int) -> JobRecord | None:
+        """The record as written with more than `ended_attempts` attempts ended before a retry,
+        once there is one; None once the run has ended without one."""
+        assert self.task is not None
+        while True:
+            written = self.retry_written
+            if written is not None and len(written.attempts) > ended_attempts:
+                return written
+            if self.task.done():
+                return None
+            changed = asyncio.ensure_future(self.retry_changed.wait())
+            try:
+                await asyncio.wait({self.task, changed}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                changed.cancel()
 
 
 @dataclass(frozen=True)
