@@ -536,6 +536,39 @@ async def test_submit_wait_and_stop_a_real_job(server_url: str) -> None:
     assert (code, stdout) == (0, f"deleted {job_id}\n".encode())
 
 
+async def test_submit_after_waits_for_a_real_parent(server_url: str) -> None:
+    code, stdout, stderr = await run_cli(
+        "submit", "--url", server_url, "--", "sleep 0.5; echo parent",
+    )  # fmt: skip
+    assert code == 0, stderr
+    parent = stdout.decode().strip()
+    code, stdout, stderr = await run_cli(
+        "submit", "--follow", "--after", parent, "--url", server_url, "--", "echo child",
+    )  # fmt: skip
+    assert (code, stdout) == (0, b"child\n"), stderr
+    child = stderr.split("submitted ")[1].split()[0]
+    code, stdout, stderr = await run_cli("status", child, "--url", server_url)
+    assert code == 0, stderr
+    assert f"dependency.1:  after {parent} succeeded: met" in stdout.decode().splitlines()
+    # A condition that can no longer hold: the job never runs, and --wait says why.
+    code, stdout, stderr = await run_cli(
+        "submit", "--wait", "--after-failed", parent, "--url", server_url, "--", "echo never",
+    )  # fmt: skip
+    assert code == 1
+    assert "FAILED" in stderr
+    never = stdout.decode().strip()
+    code, stdout, _ = await run_cli("status", never, "--url", server_url)
+    assert b"error_type:    DEPENDENCY_NEVER_SATISFIED" in stdout
+    assert f"dependency.1:  after {parent} failed: not met".encode() in stdout
+    code, _, stderr = await run_cli(
+        "submit", "--after", "no-such-job", "--url", server_url, "--", "true"
+    )
+    assert (code, stderr) == (
+        1,
+        "jobs-server: Job no-such-job does not exist (HTTP 404, job_not_found)\n",
+    )
+
+
 async def test_a_log_piped_into_head_ends_quietly(
     fake_server: TestServer, fake: FakeJobManager
 ) -> None:

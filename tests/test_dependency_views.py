@@ -19,7 +19,7 @@ from playwright.async_api import Browser, Page, Route, expect
 
 from jobs_server.manager import JobStatus
 from jobs_server.manager.records import JobErrorType
-from tests.support.api import submit
+from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.web_page import open_page
 
@@ -212,3 +212,38 @@ async def test_a_deleted_dependency_and_a_server_without_deliveries(
     await expect(page.locator('#job-details [data-field="status"]')).to_have_text("FAILED")
     # The browser says so of the 404s it was given (the deleted job's, the missing route's).
     watch.assert_clean(allowed_console=re.compile(r"status of 404"))
+
+
+async def test_a_real_chains_pages(client: TestClient[Any, Any], browser: Browser) -> None:
+    """End to end on real Ray: the server decides `met` and runs the child after its parent."""
+    parent = await submit(client, entrypoint="echo parent")
+    child = await submit(client, entrypoint="echo child", depends_on=[{"submission_id": parent}])
+    never = await submit(
+        client,
+        entrypoint="echo never",
+        depends_on=[{"submission_id": parent, "condition": "failed"}],
+    )
+    assert (await wait_for_status(client, child))["status"] == "SUCCEEDED"
+    assert (await wait_for_status(client, never))["status"] == "FAILED"
+
+    watch = await open_page(browser, client, f"/#/jobs/{child}")
+    page = watch.page
+    await expect(cell(page, "dependencies", parent, "met")).to_have_text("met")
+    await expect(cell(page, "dependencies", parent, "status")).to_have_text("SUCCEEDED")
+    await expect(page.locator("#dependencies-summary")).to_have_text("1 of 1 met")
+    await expect(page.locator("#dependency-failure")).to_be_empty()
+
+    await page.locator("#dependencies").get_by_role("link", name=parent).click()
+    await expect(rows(page, "dependents")).to_have_count(2)
+    assert await row_ids(page, "dependents") == [child, never]
+    await expect(cell(page, "dependents", child, "status")).to_have_text("SUCCEEDED")
+    await expect(cell(page, "dependents", never, "condition")).to_have_text("failed")
+
+    await page.locator("#dependents").get_by_role("link", name=never).click()
+    await expect(page.locator("#dependency-failure")).to_have_text(
+        f"This job never ran: it was to run after {parent} failed, but {parent} ended SUCCEEDED."
+    )
+    await expect(cell(page, "dependencies", parent, "met")).to_have_text("never")
+    # No webhooks: no deliveries (or, before the route was served, a 404), the section hidden.
+    await expect(page.locator("#deliveries")).to_be_hidden()
+    watch.assert_clean(allowed_console=re.compile(r"status of 404 .*/deliveries"))
