@@ -97,6 +97,7 @@ SUPERVISOR_MAY_USE = {
     "manager/__init__.py",
     "manager/records.py",
     "manager/limits.py",
+    "manager/webhook_events.py",
     "manager/tenancy.py",
     "manager/logs.py",
     "manager/log_watch.py",
