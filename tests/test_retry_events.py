@@ -52,14 +52,22 @@ def ended_attempts(line: dict[str, Any]) -> int:
     return sum(1 for attempt in line["job"]["attempts"] if attempt["end_time"] is not None)
 
 
-@pytest.mark.parametrize("shared_supervisors", [1, 0], ids=["shared", "own-supervisor"])
+@pytest.mark.parametrize(
+    ("shared_supervisors", "backoff_s"),
+    [(1, BACKOFF_S), (0, BACKOFF_S), (1, 0.0)],
+    ids=["shared", "own-supervisor", "no-backoff"],
+)
 async def test_each_failed_attempt_retried_is_a_status_event_before_the_end(
-    aiohttp_client: MakeClient, settings: Settings, tmp_path: Path, shared_supervisors: int
+    aiohttp_client: MakeClient,
+    settings: Settings,
+    tmp_path: Path,
+    shared_supervisors: int,
+    backoff_s: float,
 ) -> None:
     client = await aiohttp_client(
         create_app(
             settings.model_copy(
-                update={"retry_backoff_s": BACKOFF_S, "shared_supervisors": shared_supervisors}
+                update={"retry_backoff_s": backoff_s, "shared_supervisors": shared_supervisors}
             )
         )
     )

@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 
 # How long a finished job's watcher waits for the last pull of its log from another node.
 LOG_PULL_FINISH_S = 10.0
+# How long a run's end waits for the poll of its retries to end (one round trip to the
+# supervisor, which answers it at once once the run has ended): a retry's answer on its way
+# is archived before the end.
+RETRIES_SETTLE_S = 5.0
 
 
 class JobWatchers:
@@ -256,6 +260,8 @@ class JobWatchers:
                 )
             except (JobStartTimeoutError, RuntimeEnvSetupError, ActorUnschedulableError) as error:
                 return start_failure(record, error)
+            if retries is not None:
+                await asyncio.wait({retries}, timeout=RETRIES_SETTLE_S)
             if log_pull is not None:
                 # Every byte pulled is on the head before anyone sees the job end.
                 await asyncio.wait({log_pull}, timeout=LOG_PULL_FINISH_S)
@@ -274,7 +280,7 @@ class JobWatchers:
                 log_pull.cancel()
             if retries is not None:
                 # A retry's archiving that has begun is queued before the end's (the archive
-                # writes in call order): only the wait for the next retry is cut.
+                # writes in call order): only a wait for the supervisor is cut.
                 retries.cancel()
 
     async def _follow_retries(self, record: JobRecord, supervisor: Any) -> None:
@@ -282,10 +288,9 @@ class JobWatchers:
         archive makes it an event: `job.retrying`), until the run ends. A long poll, and only
         for a job that may retry: the others cost no call.
 
-        Its supervisor answers as soon as a retry is written, and the next attempt starts only
-        after the retry's back-off: the answer comes here before the run's end. (Not surely
-        with a back-off of 0 and a next attempt shorter than the answer's way here: then the
-        end may be archived first, and that retry is no event.)"""
+        Its supervisor answers as soon as a retry is written, and once the run has ended (the
+        last retry, or None): the run's end waits for this to end (RETRIES_SETTLE_S), so a
+        retry is archived before the end even when the end came sooner (no back-off)."""
         submission_id, run_id = record.submission_id, record.run_id
         ended = ended_attempts(record)
         while True:
