@@ -25,11 +25,14 @@ from jobs_server.app_state import (
     JOB_MANAGER_KEY,
     KEY_RING_KEY,
     METRICS_KEY,
+    OUTBOX_KEY,
     PACKAGE_STORE_KEY,
     RAY_DRIVERS_KEY,
     SETTINGS_KEY,
     SHUTTING_DOWN_KEY,
     UPLOAD_BUDGET_KEY,
+    WEBHOOK_SECRETS_KEY,
+    WEBHOOK_SENDER_KEY,
 )
 from jobs_server.disk_guard import DiskGuard
 from jobs_server.errors import ClusterUnavailableError
@@ -74,6 +77,11 @@ from jobs_server.serving.middlewares import (
 from jobs_server.serving.upload_budget import UploadBudget
 from jobs_server.settings import Settings
 from jobs_server.state_dir import prepare_state_dirs
+from jobs_server.webhooks.notify_check import notify_validator
+from jobs_server.webhooks.planner import delivery_planner
+from jobs_server.webhooks.sender import SenderOptions, WebhookSender
+from jobs_server.webhooks.signing import WebhookSecrets, read_secret_file
+from jobs_server.webhooks.targets import TargetPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +116,17 @@ def create_app(
     app[SETTINGS_KEY] = settings
     app[ACCESS_POLICY_KEY] = AccessPolicy.from_settings(settings)
     app[KEY_RING_KEY] = KeyRing(
-        admin_token=resolve_auth_token(settings), tokens_file=settings.tokens_file
+        admin_token=resolve_auth_token(settings),
+        tokens_file=settings.tokens_file,
+        target_policy=TargetPolicy.from_settings(settings),
+    )
+    app[WEBHOOK_SECRETS_KEY] = WebhookSecrets(
+        server=(
+            ()
+            if settings.webhook_secret_file is None
+            else read_secret_file(settings.webhook_secret_file)
+        ),
+        webhooks_for=app[KEY_RING_KEY].webhooks_for,
     )
     app[JOB_DETAILS_CACHE_KEY] = JobDetailsJsonCache()
     app[METRICS_KEY] = ServerMetrics()
@@ -121,6 +139,7 @@ def create_app(
     app.cleanup_ctx.append(forwarding_session)
     if backend is None:
         app.cleanup_ctx.append(_ray_backend)
+        app.cleanup_ctx.append(_webhook_sender)
         app.cleanup_ctx.append(_dashboard_registration)
         # Ends first at shutdown: what it knows then stays for the shutdown's calls, and it
         # does not report the GCS away (answer 503 until it returns) as the server leaves.
@@ -209,10 +228,12 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         signal.signal(signal.SIGTERM, sigterm_handler)
 
     # The archive wakes the event feed after each commit; the feed reads gaps back from it.
-    # The metrics count the retries of the jobs that end among them.
+    # The metrics count the retries of the jobs that end among them. The webhook sender looks
+    # for the deliveries written with them (on PostgreSQL, any replica's).
     def on_events(events: list[JobEvent]) -> None:
         event_feed.publish(events)
         app[METRICS_KEY].observe_job_events(events)
+        webhook_sender.wake()
 
     # 0700, before anything is written there: a job must not read the archive or other logs.
     prepare_state_dirs(settings.state_dir, settings.log_dir)
@@ -222,8 +243,19 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         on_events=on_events,
         parse=caching_record_parser(),
         database_timeout_s=settings.database_timeout_s,
+        # In each change's transaction: the job's notify and its tenant's endpoints, as the
+        # tokens file (re-read on SIGHUP) has them.
+        plan_deliveries=delivery_planner(app[KEY_RING_KEY].webhooks_for),
     )
     event_feed = EventFeed(archive)
+    target_policy = TargetPolicy.from_settings(settings)
+    webhook_sender = WebhookSender(
+        archive,
+        policy=target_policy,
+        secrets=app[WEBHOOK_SECRETS_KEY],
+        options=SenderOptions.from_settings(settings),
+        metrics=app[METRICS_KEY],
+    )
     try:
         await archive.open()
     except BaseException:  # refused (a newer schema) or unreachable: leave Ray before exiting
@@ -269,6 +301,7 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
         tenant_limits=app[KEY_RING_KEY].limits_for,
         retry_backoff_s=settings.retry_backoff_s,
         leadership=leadership,
+        validate_notify=notify_validator(target_policy, app[WEBHOOK_SECRETS_KEY]),
     )
     app[KEY_RING_KEY].add_reload_listener(manager.limits_changed)
     cluster_info = await read_cluster_info(
@@ -291,6 +324,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     app[CLUSTER_AT_SHUTDOWN_KEY] = cluster = ClusterAtShutdown(
         app[CLUSTER_HEALTH_KEY], ends_with_the_server=connection.embedded
     )
+    app[OUTBOX_KEY] = archive
+    app[WEBHOOK_SENDER_KEY] = webhook_sender
     try:
         await manager.start()
     except BaseException:  # the database lost before the lead was taken over: leave Ray
@@ -315,6 +350,22 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
             # ray.shutdown() waits on the GCS: asked again (milliseconds while it is there).
             await cluster.answers()
             await asyncio.to_thread(disconnect_from_ray, connection, cluster_gone=cluster.gone)
+
+
+async def _webhook_sender(app: web.Application) -> AsyncIterator[None]:
+    """The webhook sender while the app serves (every replica runs one: claims keep them
+    apart); stopped before the archive closes. Its sends in flight are sent again later."""
+    sender = app.get(WEBHOOK_SENDER_KEY)
+    if sender is None:
+        yield  # the Ray backend did not start
+        return
+    task = asyncio.create_task(sender.run(), name="webhook-sender")
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 def _cluster_watch(

@@ -18,11 +18,14 @@ from jobs_server.manager import (
     JobManagerApi,
     PackageStoreApi,
 )
+from jobs_server.manager.archive.outbox import Outbox
 from jobs_server.manager.tenancy import Principal
 from jobs_server.metrics import ServerMetrics
 from jobs_server.serving.job_details_cache import JobDetailsJsonCache
 from jobs_server.serving.upload_budget import UploadBudget
 from jobs_server.settings import Settings
+from jobs_server.webhooks.sender import WebhookSender
+from jobs_server.webhooks.signing import WebhookSecrets
 
 SETTINGS_KEY = web.AppKey("settings", Settings)
 # Typed by Protocol, so the real manager and the tests' fakes both fit (a Protocol is not a
@@ -45,6 +48,12 @@ SHUTTING_DOWN_KEY = web.AppKey("shutting_down", asyncio.Event)
 RAY_DRIVERS_KEY = web.AppKey[DriverFinderApi]("ray_drivers")
 DISK_GUARD_KEY = web.AppKey("disk_guard", DiskGuard)
 UPLOAD_BUDGET_KEY = web.AppKey("upload_budget", UploadBudget)
+# The archive's webhook deliveries (GET /api/jobs/{id}/deliveries), and their sender: set by
+# the Ray backend (an app on a given backend has no archive of its own, and no deliveries).
+OUTBOX_KEY = web.AppKey[Outbox]("outbox")
+WEBHOOK_SENDER_KEY = web.AppKey("webhook_sender", WebhookSender)
+# Which secrets sign a delivery: --webhook-secret-file's (read at start) and the tenants'.
+WEBHOOK_SECRETS_KEY = web.AppKey("webhook_secrets", WebhookSecrets)
 # The client a follower forwards job writes to the leader with (serving/leader_forwarding.py).
 FORWARDING_SESSION_KEY = web.AppKey("forwarding_session", aiohttp.ClientSession)
 

@@ -1,7 +1,7 @@
 """Prometheus metrics: HTTP requests by route, jobs by tenant and status, the queue (its jobs,
 its caps, its refusals, the retries), what the jobs that ended used (peak memory and CPU time,
-per attempt), the jobs each supervisor holds and this replica's database, jobs and leases,
-read when scraped.
+per attempt), the jobs each supervisor holds, this replica's database, jobs and leases, read
+when scraped, and the webhooks' deliveries.
 
 The per-tenant series are made for each scrape from the caller's view: an admin sees every
 tenant's series, any other key only its own tenant's, and none of the server-wide series (HTTP
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -114,6 +114,24 @@ class ServerMetrics:
         self.retention_deleted_jobs = Counter(
             "jobs_server_retention_deleted_jobs",
             "Finished jobs deleted by retention (--retention-max-age-s, --retention-max-jobs).",
+            registry=self.registry,
+        )
+        self.webhook_deliveries = Counter(
+            "jobs_server_webhook_deliveries",
+            "Webhook delivery attempts' outcomes: delivered (2xx), retried (another attempt"
+            " follows), failed (given up), disabled (its endpoint answered 410).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.webhook_pending = Gauge(
+            "jobs_server_webhook_deliveries_pending",
+            "Webhook deliveries not yet accepted nor given up (the outbox, counted by this"
+            " replica's sender at most every 10 s).",
+            registry=self.registry,
+        )
+        self.webhook_attempt_duration = Histogram(
+            "jobs_server_webhook_attempt_duration_seconds",
+            "Time of one webhook delivery attempt, to the receiver's status or the error.",
             registry=self.registry,
         )
         # Per tenant, so kept here and shown per caller (a registry's counters are all or none).

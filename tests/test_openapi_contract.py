@@ -68,9 +68,16 @@ def contract() -> Contract:
 
 
 @pytest.fixture
-def settings(settings: Settings) -> Settings:
+def settings(settings: Settings, tmp_path: Path) -> Settings:
+    # A secret, so that a job's notify is accepted (and its deliveries listed).
+    secret_file = tmp_path / "webhook-secret"
+    secret_file.write_text("whsec_" + base64.b64encode(secrets.token_bytes(32)).decode() + "\n")
     return settings.model_copy(
-        update={"max_request_bytes": BODY_LIMIT_BYTES, "max_package_bytes": BODY_LIMIT_BYTES}
+        update={
+            "max_request_bytes": BODY_LIMIT_BYTES,
+            "max_package_bytes": BODY_LIMIT_BYTES,
+            "webhook_secret_file": secret_file,
+        }
     )
 
 
@@ -153,7 +160,12 @@ async def test_responses_match_the_document(
     await api.call("POST", "/api/jobs/", json=too_large, expect=413)
 
     # One job that finishes, one that runs until it is stopped.
-    finishing = {"entrypoint": "echo contract-hello", "metadata": {"test": "contract"}}
+    finishing = {
+        "entrypoint": "echo contract-hello",
+        "metadata": {"test": "contract"},
+        # A name that never answers here: its delivery stays pending, its attempts listed.
+        "notify": [{"url": "https://hooks.invalid/contract", "events": ["job.succeeded"]}],
+    }
     running = {"entrypoint": "sleep 30", "submission_id": f"contract-{uuid.uuid4().hex[:8]}"}
     for body in (finishing, running):
         assert contract.request_errors("submit_job", body) == []
@@ -182,6 +194,9 @@ async def test_responses_match_the_document(
     assert (await wait_for_status(client, finished_id))["status"] == "SUCCEEDED"
     finished = await api.call("GET", f"/api/jobs/{finished_id}", expect=200)
     assert finished["driver_exit_code"] == 0
+    deliveries_path = f"/api/jobs/{finished_id}/deliveries"
+    deliveries = (await api.call("GET", deliveries_path, expect=200))["deliveries"]
+    assert [delivery["event_type"] for delivery in deliveries] == ["job.succeeded"]
     listed = await api.call("GET", "/api/jobs/", expect=200)
     assert {job["submission_id"] for job in listed} == {finished_id, running_id}
     newest = await api.call("GET", "/api/jobs/?order=desc&limit=1", expect=200)
@@ -240,6 +255,7 @@ async def test_responses_match_the_document(
     gone = f"/api/jobs/{finished_id}"
     await api.call("GET", gone, expect=404)
     await api.call("GET", f"{gone}/logs", expect=404)
+    await api.call("GET", f"{gone}/deliveries", expect=404)
     await api.call("GET", f"{gone}/logs/tail", headers=WEBSOCKET_HANDSHAKE, expect=404)
     await api.call("GET", f"{gone}/logs/stream", expect=404)
     await api.call("POST", f"{gone}/stop", expect=404)

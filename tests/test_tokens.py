@@ -3,6 +3,7 @@ process, and the archive of jobs from before tenants."""
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import signal
@@ -24,7 +25,15 @@ from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
 from jobs_server.manager.limits import JobLimits
 from jobs_server.manager.records import JobRecord, JobSpec, now_ms
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Role, TenantLimits
+from jobs_server.manager.webhook_events import (
+    ALL_WEBHOOK_EVENTS,
+    NO_WEBHOOKS,
+    TenantWebhookEndpoint,
+    TenantWebhooks,
+    WebhookEventType,
+)
 from jobs_server.settings import Settings
+from jobs_server.webhooks.targets import TargetPolicy
 from tests.support.fakes import FakeJobManager
 from tests.support.processes import wait_until
 from tests.support.tenant_server import KEY_SPECS, run_tenant_server, tokens_toml
@@ -126,6 +135,121 @@ def test_a_tenants_default_and_maximum_limits_are_read() -> None:
     assert tokens.limits_for("team-b") == TenantLimits(max_limits=JobLimits(cpu_cores=0.5))
     # An empty table sets nothing.
     assert tokens.limits_for("team-c") == TenantLimits()
+
+
+SECRET = "whsec_" + base64.b64encode(b"s" * 32).decode()
+NEXT_SECRET = "whsec_" + base64.b64encode(b"n" * 32).decode()
+
+
+def test_a_tenants_webhooks_and_secrets_are_read() -> None:
+    text = (
+        f'[tenants.team-a]\nwebhook_secrets = ["{SECRET}", "{NEXT_SECRET}"]\nwebhooks = [\n'
+        '  { url = "https://hooks.example/a", events = ["job.failed", "job.stopped"] },\n'
+        f'  {{ url = "https://other.example/b", secrets = ["{NEXT_SECRET}"] }},\n]\n'
+        "[tenants.team-b]\nmax_running = 1\n"
+    )
+    tokens = parse_tokens(text, source="t.toml", target_policy=TargetPolicy())
+    assert tokens.webhooks_for("team-a") == TenantWebhooks(
+        endpoints=(
+            TenantWebhookEndpoint(
+                url="https://hooks.example/a",
+                events=(WebhookEventType.FAILED, WebhookEventType.STOPPED),
+            ),
+            # Every event by default; its own secrets.
+            TenantWebhookEndpoint(
+                url="https://other.example/b", events=ALL_WEBHOOK_EVENTS, secrets=(NEXT_SECRET,)
+            ),
+        ),
+        secrets=(SECRET, NEXT_SECRET),
+    )
+    assert tokens.webhooks_for("team-b") == NO_WEBHOOKS
+    assert tokens.webhooks_for("nobody") == NO_WEBHOOKS
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        (
+            '[tenants.a]\nwebhook_secrets = ["the-secret-itself"]\n',
+            "tenants.a.webhook_secrets[0]: expected 'whsec_' and the secret's base64",
+        ),
+        (
+            '[tenants.a]\nwebhook_secrets = ["whsec_the-secret-itself!"]\n',
+            "tenants.a.webhook_secrets[0]: expected 'whsec_' and the secret's base64",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["whsec_{base64.b64encode(b"short").decode()}"]\n',
+            "tenants.a.webhook_secrets[0]: expected a key of 24 to 64 bytes, got 5",
+        ),
+        (
+            '[tenants.a]\nwebhooks = [{ url = "https://h.example/", secrets = ["whsec_x"] }]\n',
+            "tenants.a.webhooks[0].secrets[0]: expected 'whsec_'",
+        ),
+        (
+            '[tenants.a]\nwebhooks = [{ url = "https://h.example/" }]\n',
+            "tenants.a: webhooks[0]: no secret signs it",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://h.example/", events = ["job.done"] }]\n',
+            "tenants.a.webhooks[0].events[0]: Input should be 'job.started'",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://h.example/", events = [] }]\n',
+            "tenants.a.webhooks[0].events: List should have at least 1 item",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://h.example/", secret = "x" }]\n',
+            "tenants.a.webhooks[0].secret: unknown field",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://h.example/" }, { url = "https://h.example/" }]\n',
+            "tenants.a: webhooks[1].url: the same URL as webhooks[0]",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "http://h.example/" }]\n',
+            "tenants.a.webhooks[0].url: expected an absolute https:// (http:// only with"
+            " --webhook-allow-http) URL",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://10.1.2.3/in" }]\n',
+            "tenants.a.webhooks[0].url: 10.1.2.3 is a private address",
+        ),
+        (
+            f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+            'webhooks = [{ url = "https://user:pw@h.example/in" }]\n',
+            "tenants.a.webhooks[0].url: credentials in the URL are not allowed",
+        ),
+    ],
+)
+def test_invalid_webhooks_are_refused_naming_the_field_never_the_secret(
+    text: str, error: str
+) -> None:
+    with pytest.raises(TokensFileError) as raised:
+        parse_tokens(text, source="tokens.toml", target_policy=TargetPolicy())
+    assert str(raised.value).startswith("tokens file tokens.toml: ")
+    assert error in str(raised.value)
+    assert "secret-itself" not in str(raised.value)
+    assert "whsec_x" not in str(raised.value)
+
+
+def test_the_servers_policy_decides_which_webhook_urls_load() -> None:
+    text = (
+        f'[tenants.a]\nwebhook_secrets = ["{SECRET}"]\n'
+        'webhooks = [{ url = "http://127.0.0.1:9/" }]\n'
+    )
+    with pytest.raises(TokensFileError, match="expected an absolute https://"):
+        parse_tokens(text, source="t.toml", target_policy=TargetPolicy(allow_private=True))
+    with pytest.raises(TokensFileError, match=r"127\.0\.0\.1 is a loopback address"):
+        parse_tokens(text, source="t.toml", target_policy=TargetPolicy(allow_http=True))
+    allowed = TargetPolicy(allow_http=True, allow_private=True)
+    endpoints = parse_tokens(text, source="t.toml", target_policy=allowed).webhooks_for("a")
+    assert [endpoint.url for endpoint in endpoints.endpoints] == ["http://127.0.0.1:9/"]
 
 
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:
@@ -253,7 +377,8 @@ async def test_jobs_archived_before_tenants_are_the_default_tenants(tmp_path: Pa
         "UPDATE jobs SET tenant = NULL, record = replace(record, ',\"tenant\":\"default\"', '')"
         " WHERE submission_id = 'old'; UPDATE events SET tenant = NULL WHERE submission_id ="
         " 'old'; DROP INDEX jobs_tenant_seq; DROP INDEX jobs_tenant_status;"
-        " DROP TABLE deleted_runs; DROP TABLE leases; PRAGMA user_version = 1;"
+        " DROP TABLE deleted_runs; DROP TABLE leases; DROP TABLE webhook_deliveries;"
+        " DROP TABLE webhook_endpoints_disabled; PRAGMA user_version = 1;"
     )
     assert (
         '"tenant"'

@@ -3,7 +3,8 @@ single admin key of JOBS_SERVER_AUTH_TOKEN / --auth-token-file / Ray's token (Ra
 without a tokens file: beside one, it is a key only where the file lists its digest).
 
 The middleware asks it who a key speaks for (`principal_for`); the queue asks it for a tenant's
-caps (`limits_for`). With no key configured at all, every caller is `ANONYMOUS_ADMIN`.
+caps (`limits_for`); the webhooks for a tenant's endpoints and secrets (`webhooks_for`). With
+no key configured at all, every caller is `ANONYMOUS_ADMIN`.
 
 A key is checked once per request, but a stream can last for hours: each open stream holds its
 key (`hold`), and a reload that takes the key away (removes it, moves it to another tenant, or
@@ -26,6 +27,8 @@ from jobs_server.access.auth import token_matches
 from jobs_server.access.key_digest import digest_of
 from jobs_server.access.tokens import TokensFile, load_tokens_file
 from jobs_server.manager.tenancy import DEFAULT_TENANT, Principal, Role, TenantLimits
+from jobs_server.manager.webhook_events import TenantWebhooks
+from jobs_server.webhooks.targets import TargetPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +76,19 @@ class KeyRing:
     """Every key the server accepts now. `reload()` swaps in the tokens file as it is on disk,
     or keeps the keys it has when the file is not valid."""
 
-    def __init__(self, *, admin_token: str | None, tokens_file: Path | None) -> None:
-        """Reads the tokens file, if there is one: TokensFileError if it is not valid."""
+    def __init__(
+        self,
+        *,
+        admin_token: str | None,
+        tokens_file: Path | None,
+        target_policy: TargetPolicy | None = None,
+    ) -> None:
+        """Reads the tokens file, if there is one: TokensFileError if it is not valid (its
+        webhooks' URLs checked by `target_policy`, by default https:// to public addresses)."""
         self._admin_token = admin_token
         self.tokens_file = tokens_file
-        self._keys = _NO_KEYS if tokens_file is None else load_tokens_file(tokens_file)
+        self._target_policy = target_policy or TargetPolicy()
+        self._keys = _NO_KEYS if tokens_file is None else self._load(tokens_file)
         self._reload_listeners: list[Callable[[], None]] = []
         self._holds: set[KeyHold] = set()
 
@@ -132,6 +143,14 @@ class KeyRing:
         """The tenant's caps from the tokens file as it is now (no caps of its own: NO_LIMITS)."""
         return self._keys.limits_for(tenant)
 
+    def webhooks_for(self, tenant: str) -> TenantWebhooks:
+        """The tenant's webhooks in the tokens file as it is now. Reads memory only (one
+        attribute, swapped whole by a reload): the archive's writing thread calls it."""
+        return self._keys.webhooks_for(tenant)
+
+    def _load(self, tokens_file: Path) -> TokensFile:
+        return load_tokens_file(tokens_file, target_policy=self._target_policy)
+
     @property
     def tenants(self) -> frozenset[str]:
         """The tenants the keys name, and the default tenant."""
@@ -142,7 +161,7 @@ class KeyRing:
         if self.tokens_file is None:
             return False
         try:
-            keys = load_tokens_file(self.tokens_file)
+            keys = self._load(self.tokens_file)
         except Exception as error:
             logger.error("keeping the previous keys: %s", error)
             return False

@@ -21,21 +21,47 @@ before use.
     [tenants.team-a.max_limits]       # optional: the most a job of it may ask for (a 400
     memory_bytes = 8_589_934_592      #   above); a ceiling without a default is the default
     max_processes = 1000
+
+    [tenants.team-b]
+    webhook_secrets = ["whsec_..."]   # optional: signs its webhooks and its jobs' `notify`
+                                      #   (two while one is rotated: two signatures)
+    webhooks = [                      # optional: every job's events of the tenant go there
+      { url = "https://hooks.example/jobs", events = ["job.failed"] },  # events: default all
+      { url = "https://other.example/in", secrets = ["whsec_..."] },   # its own secrets
+    ]
 """
 
 from __future__ import annotations
 
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 
 from jobs_server.access.key_digest import DIGEST_PATTERN
 from jobs_server.manager.limits import LIMIT_FIELDS, JobLimits
 from jobs_server.manager.tenancy import NO_LIMITS, Principal, Role, RunAs, TenantLimits
+from jobs_server.manager.webhook_events import (
+    ALL_WEBHOOK_EVENTS,
+    MAX_NOTIFY_TARGETS,
+    NO_WEBHOOKS,
+    TenantWebhookEndpoint,
+    TenantWebhooks,
+    WebhookEventType,
+    WebhookUrl,
+)
+from jobs_server.webhooks.signing import secret_problem
+from jobs_server.webhooks.targets import TargetPolicy
 
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 KEY_NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
@@ -43,6 +69,8 @@ KEY_NAME_PATTERN = r"^[A-Za-z0-9_.:@-]{1,64}$"
 UNNAMED_KEY_DIGEST_CHARS = 12
 
 TenantName = Annotated[str, Field(pattern=TENANT_PATTERN)]
+# Secrets at once: the one in use and the next while it is rotated, with room to spare.
+MAX_WEBHOOK_SECRETS = 4
 
 
 class TokensFileError(Exception):
@@ -68,6 +96,29 @@ class _LimitsEntry(JobLimits):
         return None if self.is_empty() else JobLimits.model_validate(self.model_dump())
 
 
+def _checked_secret(secret: str) -> str:
+    problem = secret_problem(secret)
+    if problem is not None:
+        raise ValueError(problem)
+    return secret
+
+
+WebhookSecret = Annotated[str, Field(strict=True), AfterValidator(_checked_secret)]
+WebhookSecrets = Annotated[list[WebhookSecret], Field(max_length=MAX_WEBHOOK_SECRETS)]
+
+
+class _WebhookEntry(BaseModel):
+    """One endpoint of a tenant's `webhooks`: every job's events of the tenant it asks for."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: WebhookUrl
+    events: Annotated[list[WebhookEventType], Field(min_length=1)] = Field(
+        default_factory=lambda: list(ALL_WEBHOOK_EVENTS)
+    )
+    secrets: WebhookSecrets = Field(default_factory=list)
+
+
 class _TenantEntry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -80,6 +131,36 @@ class _TenantEntry(BaseModel):
     run_as: Annotated[str, Field(min_length=1, max_length=64, strict=True)] | None = None
     default_limits: _LimitsEntry | None = None
     max_limits: _LimitsEntry | None = None
+    webhook_secrets: WebhookSecrets = Field(default_factory=list)
+    webhooks: Annotated[list[_WebhookEntry], Field(max_length=MAX_NOTIFY_TARGETS)] = Field(
+        default_factory=list
+    )
+
+    @model_validator(mode="after")
+    def _webhooks_signed_once_each(self) -> _TenantEntry:
+        urls = [webhook.url for webhook in self.webhooks]
+        for index, webhook in enumerate(self.webhooks):
+            if urls.index(webhook.url) != index:
+                raise ValueError(
+                    f"webhooks[{index}].url: the same URL as webhooks[{urls.index(webhook.url)}]"
+                )
+            if not webhook.secrets and not self.webhook_secrets:
+                raise ValueError(
+                    f"webhooks[{index}]: no secret signs it (its own secrets, or the tenant's"
+                    " webhook_secrets)"
+                )
+        return self
+
+    def tenant_webhooks(self) -> TenantWebhooks:
+        return TenantWebhooks(
+            endpoints=tuple(
+                TenantWebhookEndpoint(
+                    url=webhook.url, events=tuple(webhook.events), secrets=tuple(webhook.secrets)
+                )
+                for webhook in self.webhooks
+            ),
+            secrets=tuple(self.webhook_secrets),
+        )
 
     @model_validator(mode="after")
     def _defaults_within_ceilings(self) -> _TenantEntry:
@@ -115,14 +196,19 @@ class _TokensDocument(BaseModel):
 
 @dataclass(frozen=True)
 class TokensFile:
-    """A valid tokens file: who each digest speaks for, and each tenant's caps."""
+    """A valid tokens file: who each digest speaks for, each tenant's caps and webhooks."""
 
     principals: Mapping[str, Principal]
     """By digest (`sha256:<hex>`)."""
     limits: Mapping[str, TenantLimits]
+    webhooks: Mapping[str, TenantWebhooks] = field(default_factory=dict)
+    """Of the tenants that have any (endpoints or secrets)."""
 
     def limits_for(self, tenant: str) -> TenantLimits:
         return self.limits.get(tenant, NO_LIMITS)
+
+    def webhooks_for(self, tenant: str) -> TenantWebhooks:
+        return self.webhooks.get(tenant, NO_WEBHOOKS)
 
     @property
     def tenants(self) -> frozenset[str]:
@@ -130,17 +216,20 @@ class TokensFile:
         return frozenset(p.tenant for p in self.principals.values()) | frozenset(self.limits)
 
 
-def load_tokens_file(path: Path) -> TokensFile:
+def load_tokens_file(path: Path, *, target_policy: TargetPolicy | None = None) -> TokensFile:
     """Read and check the whole file; TokensFileError says what is wrong (never a key)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise TokensFileError(f"cannot read the tokens file {path}: {error}") from error
-    return parse_tokens(text, source=str(path))
+    return parse_tokens(text, source=str(path), target_policy=target_policy)
 
 
-def parse_tokens(text: str, *, source: str) -> TokensFile:
-    """The tokens file's content, checked; TokensFileError names `source` and the problem."""
+def parse_tokens(
+    text: str, *, source: str, target_policy: TargetPolicy | None = None
+) -> TokensFile:
+    """The tokens file's content, checked (its webhooks' URLs by `target_policy`, the server's;
+    without one only their form); TokensFileError names `source` and the problem."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
@@ -157,6 +246,15 @@ def parse_tokens(text: str, *, source: str) -> TokensFile:
         )
         for key in document.keys
     }
+    for tenant, entry in document.tenants.items():
+        for index, webhook in enumerate(entry.webhooks):
+            if target_policy is None:
+                break
+            problem = target_policy.url_problem(webhook.url)
+            if problem is not None:
+                raise TokensFileError(
+                    f"tokens file {source}: tenants.{tenant}.webhooks[{index}].url: {problem}"
+                )
     users: dict[str, RunAs] = {}
     for tenant, entry in document.tenants.items():
         if entry.run_as is not None:
@@ -178,7 +276,12 @@ def parse_tokens(text: str, *, source: str) -> TokensFile:
         )
         for tenant, entry in document.tenants.items()
     }
-    return TokensFile(principals=principals, limits=limits)
+    webhooks = {
+        tenant: entry.tenant_webhooks()
+        for tenant, entry in document.tenants.items()
+        if entry.webhooks or entry.webhook_secrets
+    }
+    return TokensFile(principals=principals, limits=limits, webhooks=webhooks)
 
 
 # Clearer words than a regular expression for the fields people get wrong.

@@ -2,11 +2,12 @@
 
 from aiohttp import web
 
-from jobs_server.routes import events, jobs, logs, packages, service, ui
+from jobs_server.routes import events, jobs, logs, packages, service, ui, webhooks
 
 ROUTE_TABLES: tuple[web.RouteTableDef, ...] = (
     service.routes,
     jobs.routes,
+    webhooks.routes,
     logs.routes,
     events.routes,
     packages.routes,
