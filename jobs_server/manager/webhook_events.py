@@ -1,7 +1,7 @@
 """Webhooks as the records carry them: the events a receiver can ask for, and a target (a URL
 and the events it wants), from a job's `notify` or a tenant's `webhooks` in the tokens file.
 
-Which event a change of a job is (`webhook_event_of`) is decided where the change is written,
+Which event a change of a job is (`webhook_events_of`) is decided where the change is written,
 in the archive's transaction, so that its deliveries are written with it (archive/outbox.py).
 """
 
