@@ -16,6 +16,7 @@ import pytest
 import requests
 
 from jobs_server.access.key_digest import new_api_key
+from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 from tests.support.queue import gate
@@ -229,6 +230,32 @@ async def test_a_held_parent_deleted_keeps_its_dependent_waiting_and_shows_unmet
     assert refused.status == 409, await refused.text()
     go.touch()
     assert (await wait_for_status(client, "c"))["status"] == "SUCCEEDED"
+
+
+async def test_a_parent_deleted_before_it_held_ends_its_dependent(
+    client: Client, tmp_path: Path
+) -> None:
+    """Only an ended job can be deleted through the API, and then its condition has held or
+    failed already: the deletion of one that has not held comes from elsewhere (another
+    replica's retention, an operator). Its row is deleted here in the archive directly, which
+    records its `deleted` event as every deletion does."""
+    go = tmp_path / "go"
+    await submit(client, submission_id="g", entrypoint=gate(go))
+    await submit(client, submission_id="p", entrypoint="true", depends_on=after("g"))
+    await submit(client, submission_id="c", entrypoint="true", depends_on=after("p"))
+    archive = client.server.app[JOB_MANAGER_KEY].archive
+    assert await archive.delete("p")
+    c = await wait_for_status(client, "c", timeout_s=10)
+    assert (c["status"], c["error_type"], c["message"]) == (
+        "FAILED",
+        NEVER,
+        "p was deleted; this job needed it to succeed",
+    )
+    assert c["depends_on"] == [{"submission_id": "p", "condition": "succeeded", "met": False}]
+    go.touch()
+    await wait_for_status(client, "g", {"SUCCEEDED"})
+    # The deleted job's wait ends with nothing to queue.
+    assert (await client.get("/api/jobs/p")).status == 404
 
 
 async def test_an_unknown_id_is_refused_404_word_for_word_and_nothing_recorded(

@@ -262,6 +262,7 @@ class JobManager:
         # recovery queues again what the archive says waits.
         self._queue.clear()
         self._waits.clear()
+        await self._stop_following_events()
         await self._supervisors.start()
         # The events from here on decide the waiting jobs; recovery puts them back in the
         # waits after this, and reads the statuses of the jobs they wait for then.
@@ -422,11 +423,13 @@ class JobManager:
         )
 
     async def submit_job(self, spec: JobSpec, *, tenant: str = DEFAULT_TENANT) -> JobRecord:
-        """Record the job and hand it to a supervisor (or queue it, over a cap); return at
-        once, the job PENDING. `spec.limits` are what the client asked for: the job gets its
-        effective ones (limits.py), decided here, by the leader. QueueFullError (nothing
-        recorded) if the queue is full; InvalidRequestError if a limit is above the tenant's
-        ceiling."""
+        """Record the job and hand it to a supervisor (or queue it, over a cap; or hold it
+        until the jobs it depends on ended as it needs); return at once, the job PENDING.
+        `spec.limits` are what the client asked for: the job gets its effective ones
+        (limits.py), decided here, by the leader. QueueFullError (nothing recorded) if the
+        queue is full; InvalidRequestError if a limit is above the tenant's ceiling;
+        JobNotFoundError (nothing recorded) for a job it depends on that is not there or is
+        another tenant's."""
         await self._confirm_lead()
         spec = self._with_effective_limits(spec, tenant)
         if self._validate_notify is not None:

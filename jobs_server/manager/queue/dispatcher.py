@@ -211,8 +211,8 @@ class Dispatcher:
                         return  # it waits on (or was decided or stopped meanwhile)
                 await self._resolve(resolution)
                 return
-            except (asyncio.CancelledError, LeaderUnavailableError):
-                raise
+            except LeaderUnavailableError:
+                return  # no longer the leader: the new one's recovery decides the job
             except Exception as error:
                 logger.warning(
                     "job %s's dependencies: %s; again in %.1f s",
