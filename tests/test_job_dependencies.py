@@ -3,11 +3,13 @@ of 10 -> 1, a failed parent ending its `succeeded` dependents DEPENDENCY_NEVER_S
 theirs after them) while its `failed` and `ended` dependents run, ids refused as unknown (404
 word for word), a dependency on a job that has already ended, a waiting job that holds no
 running slot but a queued place, a stop of a waiting job, a parent deleted, the `met` field;
-and a chain that survives kill -9 of its server. The waits' logic alone:
+and a chain that survives kill -9 of its server, and one submitted to a follower replica that
+survives its leader's. The waits' logic alone:
 tests/test_dependency_waits.py."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,10 @@ from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 from tests.support.queue import gate
+from tests.support.replicas import ReplicaGroup
+from tests.support.replicas import get_job as replica_get
+from tests.support.replicas import submit as replica_submit
+from tests.support.replicas import wait_for_status as replica_wait
 from tests.support.restarts import Cluster, Server
 from tests.support.tenant_server import KEY_SPECS, tokens_toml
 
@@ -385,3 +391,38 @@ def test_a_chain_survives_kill_9_of_its_server(tmp_path: Path, ray_tmpdir: Path)
     finally:
         server.stop()
         cluster.stop()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.replicas
+def test_a_chain_submitted_to_a_follower_survives_its_leaders_kill(
+    tmp_path: Path, ray_connection: str, postgres_url: str
+) -> None:
+    """Two replicas on PostgreSQL: a chain submitted through the follower (its writes go to the
+    leader, where the waits are), the leader killed while the chain waits; the follower takes
+    the lead, recovers the waits and learns the parent's end from the events."""
+    go = tmp_path / "go"
+    order = tmp_path / "order"
+    group = ReplicaGroup(tmp_path, ray_connection, postgres_url, 2)
+    try:
+        group.start()
+        leader = group.leader()
+        (follower,) = [replica for replica in group.replicas if replica is not leader]
+        replica_submit(follower, submission_id="a", entrypoint=f"{gate(go)}; echo a >> {order}")
+        replica_submit(
+            follower, submission_id="b", entrypoint=f"echo b >> {order}", depends_on=after("a")
+        )
+        replica_submit(
+            follower, submission_id="c", entrypoint=f"echo c >> {order}", depends_on=after("b")
+        )
+        assert replica_get(follower, "b")["message"] == "Waiting for a to succeed"
+        replica_wait(itertools.repeat(follower), "a", frozenset({"RUNNING"}))
+        leader.kill()
+        assert group.leader(among=[follower], timeout_s=120) is follower
+        go.touch()
+        c = replica_wait(itertools.repeat(follower), "c")
+        assert c["status"] == "SUCCEEDED", c
+        assert order.read_text() == "a\nb\nc\n"
+    finally:
+        group.stop()
