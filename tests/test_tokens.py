@@ -19,6 +19,7 @@ import requests
 from aiohttp.test_utils import TestClient
 
 from jobs_server.access.key_digest import digest_of, new_api_key
+from jobs_server.access.key_ring import KeyRing
 from jobs_server.access.tokens import TokensFileError, load_tokens_file, parse_tokens
 from jobs_server.app import create_app
 from jobs_server.manager.archive.sqlite import Archive, JobQuery, archive_path
@@ -250,6 +251,25 @@ def test_the_servers_policy_decides_which_webhook_urls_load() -> None:
     allowed = TargetPolicy(allow_http=True, allow_private=True)
     endpoints = parse_tokens(text, source="t.toml", target_policy=allowed).webhooks_for("a")
     assert [endpoint.url for endpoint in endpoints.endpoints] == ["http://127.0.0.1:9/"]
+
+
+def test_a_reload_swaps_the_tenants_webhooks_and_a_refused_url_keeps_them(
+    tmp_path: Path,
+) -> None:
+    """The planner reads `webhooks_for` at each change: a reload (SIGHUP) takes effect at once;
+    a file the server's policy refuses keeps what there was."""
+    tokens_file = tmp_path / "tokens.toml"
+    endpoint = '[tenants.a]\nwebhook_secrets = ["{}"]\nwebhooks = [{{ url = "{}" }}]\n'
+    tokens_file.write_text(endpoint.format(SECRET, "https://one.example/in"))
+    ring = KeyRing(admin_token=None, tokens_file=tokens_file, target_policy=TargetPolicy())
+    assert [e.url for e in ring.webhooks_for("a").endpoints] == ["https://one.example/in"]
+    tokens_file.write_text(endpoint.format(NEXT_SECRET, "https://two.example/in"))
+    assert ring.reload()
+    assert [e.url for e in ring.webhooks_for("a").endpoints] == ["https://two.example/in"]
+    assert ring.webhooks_for("a").secrets == (NEXT_SECRET,)
+    tokens_file.write_text(endpoint.format(SECRET, "https://192.168.0.9/in"))
+    assert not ring.reload()
+    assert [e.url for e in ring.webhooks_for("a").endpoints] == ["https://two.example/in"]
 
 
 def test_a_missing_file_is_refused(tmp_path: Path) -> None:

@@ -30,17 +30,31 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from jobs_server.access.key_digest import digest_of, new_api_key
 from jobs_server.app import create_app
-from jobs_server.manager.archive.outbox import DeliveryState, TargetSource, WebhookDelivery
+from jobs_server.manager.archive.outbox import (
+    DeliveryState,
+    PlannedDelivery,
+    TargetSource,
+    WebhookDelivery,
+)
 from jobs_server.manager.records import JobRecord, JobSpec, JobStatus, now_ms
-from jobs_server.manager.webhook_events import NO_WEBHOOKS, TenantWebhooks, WebhookEventType
+from jobs_server.manager.webhook_events import (
+    ALL_WEBHOOK_EVENTS,
+    NO_WEBHOOKS,
+    NotifyTarget,
+    TenantWebhookEndpoint,
+    TenantWebhooks,
+    WebhookEventType,
+)
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
-from jobs_server.webhooks.sender import SenderOptions, WebhookSender, payload_of
-from jobs_server.webhooks.signing import WebhookSecrets
+from jobs_server.webhooks.planner import delivery_planner
+from jobs_server.webhooks.sender import SenderOptions, WebhookSender, payload_of, retry_delay_s
+from jobs_server.webhooks.signing import WebhookSecretError, WebhookSecrets, read_secret_file
 from jobs_server.webhooks.targets import TargetPolicy
 from tests.support.api import Client, wait_for_status
 from tests.support.processes import free_port
 from tests.support.ray_nodes import kill_actors_in_namespace
+from tests.support.replicas import ReplicaGroup
 from tests.support.servers import is_healthy, start_jobs_server
 
 LOOPBACK_HTTP = TargetPolicy(allow_http=True, allow_private=True)
@@ -166,6 +180,109 @@ async def eventually(
                 f"not within {timeout_s} s: {what if isinstance(what, str) else what()}"
             )
         await asyncio.sleep(0.05)
+
+
+# -- secrets and plans -------------------------------------------------------------------------
+
+
+def test_the_secret_file_holds_one_secret_a_line(tmp_path: Path) -> None:
+    old, new = new_secret(), new_secret()
+    path = tmp_path / "secret"
+    path.write_text(f"# rotating\n{old}\n\n  {new}  \n")
+    assert read_secret_file(path) == (old, new)
+
+
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ("", "no secret in it"),
+        ("# only a comment\n", "no secret in it"),
+        ("the-secret-itself\n", "line 1: expected 'whsec_'"),
+        (f"{new_secret()}\nwhsec_the-secret-itself\n", "line 2: expected 'whsec_'"),
+        (None, "cannot read the webhook secret file"),
+    ],
+)
+def test_a_bad_secret_file_is_refused_naming_the_line_never_the_secret(
+    tmp_path: Path, content: str | None, error: str
+) -> None:
+    path = tmp_path / "secret"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(WebhookSecretError) as raised:
+        read_secret_file(path)
+    assert error in str(raised.value)
+    assert "secret-itself" not in str(raised.value)
+
+
+def test_the_secrets_of_a_delivery() -> None:
+    server, tenant_secret, endpoint_secret = new_secret(), new_secret(), new_secret()
+    webhooks = TenantWebhooks(
+        endpoints=(
+            TenantWebhookEndpoint("https://own.example/", ALL_WEBHOOK_EVENTS, (endpoint_secret,)),
+            TenantWebhookEndpoint("https://shared.example/", ALL_WEBHOOK_EVENTS),
+        ),
+        secrets=(tenant_secret,),
+    )
+    secrets = WebhookSecrets(
+        server=(server,), webhooks_for=lambda name: webhooks if name == "a" else NO_WEBHOOKS
+    )
+    tenant = TargetSource.TENANT
+    assert secrets.for_delivery("a", "https://own.example/", tenant) == (endpoint_secret,)
+    assert secrets.for_delivery("a", "https://shared.example/", tenant) == (tenant_secret,)
+    # A job's own target: its tenant's secrets, else the server's.
+    assert secrets.for_delivery("a", "https://own.example/", TargetSource.JOB) == (tenant_secret,)
+    assert secrets.for_delivery("b", "https://any.example/", TargetSource.JOB) == (server,)
+    # A tenant endpoint is never signed with the server's secret.
+    assert secrets.for_delivery("b", "https://any.example/", tenant) == ()
+
+
+def test_the_planner_names_the_targets_that_want_the_event() -> None:
+    webhooks = TenantWebhooks(
+        endpoints=(
+            TenantWebhookEndpoint("https://all.example/", ALL_WEBHOOK_EVENTS),
+            TenantWebhookEndpoint("https://failures.example/", (WebhookEventType.FAILED,)),
+        ),
+        secrets=(new_secret(),),
+    )
+    plan = delivery_planner(lambda name: webhooks if name == "a" else NO_WEBHOOKS)
+    spec = JobSpec(
+        submission_id="j",
+        entrypoint="true",
+        notify=(
+            NotifyTarget(url="https://mine.example/", events=(WebhookEventType.SUCCEEDED,)),
+            NotifyTarget(url="https://all.example/"),
+        ),
+    )
+    record = JobRecord(spec=spec, status=JobStatus.SUCCEEDED, tenant="a")
+    assert list(plan(record, WebhookEventType.SUCCEEDED)) == [
+        PlannedDelivery("https://mine.example/", TargetSource.JOB),
+        PlannedDelivery("https://all.example/", TargetSource.JOB),
+        PlannedDelivery("https://all.example/", TargetSource.TENANT),
+    ]
+    assert list(plan(record, WebhookEventType.FAILED)) == [
+        PlannedDelivery("https://all.example/", TargetSource.JOB),
+        PlannedDelivery("https://all.example/", TargetSource.TENANT),
+        PlannedDelivery("https://failures.example/", TargetSource.TENANT),
+    ]
+    other = record.with_changes(tenant="b")
+    assert list(plan(other, WebhookEventType.STARTED)) == [
+        PlannedDelivery("https://all.example/", TargetSource.JOB)
+    ]
+
+
+def test_the_backoff_doubles_to_its_cap_with_full_jitter() -> None:
+    assert [retry_delay_s(attempt, 3600.0, lambda: 1.0) for attempt in (1, 2, 3, 13, 500)] == [
+        1.0,
+        2.0,
+        4.0,
+        3600.0,
+        3600.0,
+    ]
+    assert retry_delay_s(5, 3600.0, lambda: 0.25) == 4.0
+    assert SenderOptions(timeout_s=10, max_in_flight=1, retry_max_s=86_400).backoff_cap_s == 3600
+    assert SenderOptions(timeout_s=10, max_in_flight=1, retry_max_s=60).backoff_cap_s == 6.0
+    # A claim outlasts an attempt.
+    assert SenderOptions(timeout_s=10, max_in_flight=1, retry_max_s=60).claim_ms > 10_000
 
 
 # -- the sender, on an outbox in memory --------------------------------------------------------
@@ -844,3 +961,67 @@ async def test_every_delivery_arrives_after_the_receiver_and_two_server_kills(
     finally:
         server.stop()
         kill_actors_in_namespace(namespace)
+
+
+@pytest.mark.slow
+@pytest.mark.postgres
+async def test_replicas_share_the_outbox_and_a_dead_ones_deliveries_are_sent_by_the_other(
+    ray_connection: str,
+    postgres_url: str,
+    tmp_path: Path,
+    receivers: Callable[..., Awaitable[Receiver]],
+) -> None:
+    """Two replicas on one PostgreSQL database, each with a sender: the deliveries written while
+    the receiver is away are all sent once it is back, though the leader that wrote them was
+    killed meanwhile; none twice (a claim keeps the senders apart), none badly signed."""
+    secret = new_secret()
+    (tmp_path / "secret").write_text(f"{secret}\n")
+    receiver = await receivers([secret])
+    await receiver.stop()  # away from the start: every delivery waits in the outbox
+    group = ReplicaGroup(
+        tmp_path,
+        ray_connection,
+        postgres_url,
+        2,
+        extra_args=[
+            *("--webhook-secret-file", str(tmp_path / "secret")),
+            "--webhook-allow-http",
+            "--webhook-allow-private",
+            *("--webhook-timeout-s", "2", "--webhook-retry-max-s", "300"),
+        ],
+    )
+    try:
+        await asyncio.to_thread(group.start)
+        leader = await asyncio.to_thread(group.leader)
+        [survivor] = [replica for replica in group.replicas if replica is not leader]
+        async with aiohttp.ClientSession(base_url=survivor.url) as api:
+            jobs = []
+            for _ in range(6):
+                response = await api.post(
+                    "/api/jobs/",
+                    json={
+                        "entrypoint": "true",
+                        "notify": [{"url": receiver.url, "events": ["job.succeeded"]}],
+                    },
+                )
+                assert response.status == 200, await response.text()
+                jobs.append((await response.json())["submission_id"])
+            for job_id in jobs:
+                await wait_for_status(api, job_id, timeout_s=120)
+            await asyncio.to_thread(leader.kill)
+            await receiver.start()
+            rows: list[dict[str, Any]] = []
+
+            async def all_delivered() -> bool:
+                rows.clear()
+                for job_id in jobs:
+                    response = await api.get(f"/api/jobs/{job_id}/deliveries")
+                    rows.extend((await response.json())["deliveries"])
+                return len(rows) == len(jobs) and all(row["state"] == "delivered" for row in rows)
+
+            await eventually_async(all_delivered, "every delivery delivered", 120)
+        ids = [received.headers["webhook-id"] for received in receiver.received]
+        assert sorted(ids) == sorted(row["id"] for row in rows)
+        assert receiver.badly_signed == []
+    finally:
+        await asyncio.to_thread(group.stop)
