@@ -352,6 +352,7 @@ async def test_a_waiting_job_holds_a_queued_place_but_no_running_slot(
     assert (await wait_for_status(client, "w"))["status"] == "SUCCEEDED"
 
 
+@pytest.mark.slow
 def test_a_chain_survives_kill_9_of_its_server(tmp_path: Path, ray_tmpdir: Path) -> None:
     go = tmp_path / "go"
     order = tmp_path / "order"
