@@ -219,7 +219,7 @@ async def test_stop_of_a_waiting_job_is_immediate_and_its_command_never_runs(
     assert (await client.delete("/api/jobs/w")).status == 200
 
 
-async def test_a_held_parent_deleted_keeps_its_dependent_waiting_and_shows_unmet(
+async def test_a_held_parent_deleted_keeps_its_dependent_waiting_and_shows_it_met(
     client: Client, tmp_path: Path
 ) -> None:
     go = tmp_path / "go"
@@ -231,7 +231,8 @@ async def test_a_held_parent_deleted_keeps_its_dependent_waiting_and_shows_unmet
     assert (await client.delete("/api/jobs/done")).status == 200
     job = await details(client, "c")
     assert job["status"] == "PENDING"
-    assert [d["met"] for d in job["depends_on"]] == [False, False]
+    # It held before its deletion: recorded so (dependencies_held), not read as deleted.
+    assert [d["met"] for d in job["depends_on"]] == [True, False]
     refused = await client.delete("/api/jobs/c")
     assert refused.status == 409, await refused.text()
     go.touch()
@@ -389,6 +390,23 @@ def test_a_chain_survives_kill_9_of_its_server(tmp_path: Path, ray_tmpdir: Path)
         assert listed["depends_on"] == [
             {"submission_id": "x", "condition": "succeeded", "met": True}
         ]
+
+        # A parent that held, deleted while its dependent waits for another, then kill -9:
+        # the next server knows it held (it does not fail the dependent as if it never had).
+        go3 = tmp_path / "go3"
+        server.submit(submission_id="held", entrypoint="true")
+        server.wait_status("held", "SUCCEEDED")
+        server.submit(submission_id="slow", entrypoint=gate(go3))
+        server.submit(
+            submission_id="z", entrypoint=f"echo z >> {order}", depends_on=after("held", "slow")
+        )
+        server.wait_status("slow", "RUNNING")
+        assert requests.delete(f"{server.url}/api/jobs/held", timeout=30).status_code == 200
+        server.kill()
+        server.start()
+        assert server.job("z")["message"] == "Waiting for 1 of 2 jobs: slow to succeed"
+        go3.touch()
+        assert server.wait_status("z", "SUCCEEDED", "FAILED", "STOPPED")["status"] == "SUCCEEDED"
     finally:
         server.stop()
         cluster.stop()

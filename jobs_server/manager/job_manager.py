@@ -533,7 +533,8 @@ class JobManager:
 
     async def dependencies_met(self, records: Sequence[JobRecord]) -> dict[str, dict[str, bool]]:
         """By job of `records` that depends on others: whether each of those has met its
-        condition now (a deleted one, or another tenant's: False). No read for jobs without
+        condition now (a deleted one, or another tenant's: False, unless it held before its
+        deletion while the job waited). No read for jobs without
         dependencies."""
         wanted: dict[str, set[str]] = {}
         for record in records:
@@ -557,9 +558,11 @@ class JobManager:
                 continue
             statuses = by_tenant[record.tenant]
             met[record.submission_id] = {
-                dependency.submission_id: (status := statuses.get(dependency.submission_id))
-                is not None
-                and dependency.condition.holds(status)
+                dependency.submission_id: dependency.submission_id in record.dependencies_held
+                or (
+                    (status := statuses.get(dependency.submission_id)) is not None
+                    and dependency.condition.holds(status)
+                )
                 for dependency in record.spec.depends_on
             }
         return met
@@ -658,6 +661,7 @@ class JobManager:
         """Delete an ended run: its archived row (and so its `deleted` event), KV and log."""
         submission_id = record.submission_id
         await self._history.archive_end(record)
+        await self._dispatcher.keep_held_dependencies(record)
         async with self._history.exclusive(submission_id):
             with contextlib.suppress(Exception):  # gone from the KV already, as it should be
                 await self._store.delete(record)

@@ -220,6 +220,10 @@ class JobRecord(BaseModel):
     """When the job was handed to its supervisor (unix ms): its start timeout counts from here,
     not from its submit (`start_time`), so time spent in the queue is not time spent starting.
     None in a record an earlier server wrote: the start timeout counts from `start_time`."""
+    dependencies_held: tuple[str, ...] = ()
+    """Jobs it depends on whose condition held and that were deleted while it still waited
+    for others: written before such a deletion, so a recovery that finds them gone knows they
+    held."""
     dependencies_met_time: int | None = None
     """When every job it depends on had ended as its condition asks (unix ms): it entered the
     queue then. None while it waits, and for a job without dependencies."""

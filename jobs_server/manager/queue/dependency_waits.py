@@ -105,13 +105,15 @@ class DependencyWaits:
         return frozenset(self._dependents.get(submission_id, ()))
 
     def add(self, record: JobRecord) -> None:
-        """Hold a job that waits (again: its conditions all pending until learnt)."""
+        """Hold a job that waits (again: its conditions pending until learnt, but for those its
+        record says held)."""
         self.remove(record.submission_id)
         wait = _Wait(
             record,
             {
                 dependency.submission_id: dependency.condition
                 for dependency in record.spec.depends_on
+                if dependency.submission_id not in record.dependencies_held
             },
         )
         self._waits[record.submission_id] = wait
@@ -178,6 +180,28 @@ class DependencyWaits:
             return None
         self.remove(child)
         return Resolution(wait.record, Outcome.NEVER, never_message(parent, status, condition))
+
+    def held_before_deletion(self, deleted: JobRecord) -> list[JobRecord]:
+        """The job `deleted` is about to be deleted: each waiting job whose condition on it
+        holds (learnt already, or by its status now) but that is not yet decided, as it must
+        be recorded (`dependencies_held`) before the deletion, so that a recovery that finds
+        it gone knows it held. The waits keep the new records."""
+        parent = deleted.submission_id
+        updated = []
+        for wait in self._waits.values():
+            record = wait.record
+            if parent in record.dependencies_held:
+                continue
+            condition = next(
+                (d.condition for d in record.spec.depends_on if d.submission_id == parent), None
+            )
+            if condition is None:
+                continue
+            if parent in wait.pending and not condition.holds(deleted.status):
+                continue
+            wait.record = record.with_changes(dependencies_held=(*record.dependencies_held, parent))
+            updated.append(wait.record)
+        return updated
 
     def record(self, submission_id: str) -> JobRecord | None:
         wait = self._waits.get(submission_id)

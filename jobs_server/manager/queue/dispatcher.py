@@ -184,6 +184,12 @@ class Dispatcher:
         for resolution in self._waits.learn(submission_id, status):
             self._spawn(self._settle(resolution.record, resolution), resolution.record)
 
+    async def keep_held_dependencies(self, deleted: JobRecord) -> None:
+        """Before the ended job `deleted` is deleted: archive, in each job still waiting whose
+        condition on it held, that it held (a recovery then reads it gone, not failed)."""
+        for record in self._waits.held_before_deletion(deleted):
+            await self._archive.update(record)
+
     def recheck_dependencies(self) -> None:
         """Read again the statuses of what every waiting job waits for (ends may have been
         missed: the events fell behind the archive's window)."""
