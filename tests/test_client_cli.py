@@ -9,6 +9,7 @@ tests run real jobs on the real server (`server_url`).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -567,6 +568,54 @@ async def test_submit_after_waits_for_a_real_parent(server_url: str) -> None:
         1,
         "jobs-server: Job no-such-job does not exist (HTTP 404, job_not_found)\n",
     )
+
+
+async def test_status_shows_a_real_jobs_webhook_delivery(
+    aiohttp_server: AiohttpServer, settings: Settings, tmp_path: Path
+) -> None:
+    """End to end: `--notify` to a receiver on loopback that answers 204; `status` shows the
+    delivery."""
+    arrived = asyncio.Event()
+
+    async def hook(request: web.Request) -> web.Response:
+        await request.read()
+        arrived.set()
+        return web.Response(status=204)
+
+    receiver = web.Application()
+    receiver.router.add_post("/hook", hook)
+    hook_url = str((await aiohttp_server(receiver)).make_url("/hook"))
+    secret_file = tmp_path / "webhook-secret"
+    secret_file.write_text(
+        "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    )
+    webhooks = {
+        "webhook_secret_file": secret_file,
+        "webhook_allow_http": True,
+        "webhook_allow_private": True,
+    }
+    server = await aiohttp_server(create_app(settings.model_copy(update=webhooks)))
+    code, stdout, stderr = await run_cli(
+        "submit", "--wait", "--notify", hook_url, "--url", url_of(server), "--", "true",
+    )  # fmt: skip
+    assert code == 0, stderr
+    job_id = stdout.decode().strip()
+    await asyncio.wait_for(arrived.wait(), 60)
+    lines: list[str] = []
+    for _ in range(200):  # the delivery's outcome is written just after the receiver answered
+        code, stdout, stderr = await run_cli("status", job_id, "--url", url_of(server))
+        lines = [line for line in stdout.decode().splitlines() if line.startswith("delivery.")]
+        if lines and "delivered" in lines[-1]:
+            break
+        await asyncio.sleep(0.1)
+    assert f"notify.1:      {hook_url} (job.started, job.succeeded, job.failed, job.stopped," in (
+        stdout.decode()
+    )
+    delivered = [line for line in lines if ": delivered, 1 attempt, last HTTP 204" in line]
+    assert any(
+        line.endswith(f"job.succeeded to {hook_url}: delivered, 1 attempt, last HTTP 204")
+        for line in delivered
+    ), lines
 
 
 async def test_a_log_piped_into_head_ends_quietly(

@@ -3,22 +3,28 @@ job's page links the jobs it depends on (each with its condition, its status and
 met) and the jobs that depend on it, says plainly why a job that can never run failed, and shows
 its webhook deliveries.
 
-On the fake manager, whose jobs move only when the test moves them. The answers the page reads
-for `met` and for the deliveries are the contract's (api_models.JobDetails,
-WebhookDeliveryDetails): the test serves them through the browser's request routing where the
-fake has nothing to say (it keeps no outbox, and decides no `met`)."""
+Mostly on the fake manager, whose jobs move only when the test moves them: the answers the page
+reads for `met` and for the deliveries are the contract's (api_models.JobDetails,
+WebhookDeliveryDetails), served through the browser's request routing where the fake has nothing
+to say (it keeps no outbox). Then end to end on real Ray: a chain, and a job's webhook to a
+receiver on loopback."""
 
 from __future__ import annotations
 
+import base64
 import re
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
-from aiohttp.test_utils import TestClient
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
 from playwright.async_api import Browser, Page, Route, expect
 
+from jobs_server.app import create_app
 from jobs_server.manager import JobStatus
 from jobs_server.manager.records import JobErrorType
+from jobs_server.settings import Settings
 from tests.support.api import submit, wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.web_page import open_page
@@ -247,3 +253,55 @@ async def test_a_real_chains_pages(client: TestClient[Any, Any], browser: Browse
     # No webhooks: no deliveries (or, before the route was served, a 404), the section hidden.
     await expect(page.locator("#deliveries")).to_be_hidden()
     watch.assert_clean(allowed_console=re.compile(r"status of 404 .*/deliveries"))
+
+
+async def test_a_real_jobs_webhook_deliveries(
+    aiohttp_client: Callable[..., Awaitable[TestClient[Any, Any]]],
+    aiohttp_server: Callable[..., Awaitable[TestServer]],
+    settings: Settings,
+    tmp_path: Path,
+    browser: Browser,
+) -> None:
+    """End to end: a receiver on loopback answers 503, then 204; the job's page shows the one
+    delivery, tried twice, delivered."""
+    answers = [503]
+
+    async def hook(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(status=answers.pop() if answers else 204)
+
+    receiver = web.Application()
+    receiver.router.add_post("/hook", hook)
+    receiver_server = await aiohttp_server(receiver)
+    secret_file = tmp_path / "webhook-secret"
+    secret_file.write_text(
+        "whsec_" + base64.b64encode(b"0123456789abcdef0123456789abcdef").decode()
+    )
+    client = await aiohttp_client(
+        create_app(
+            settings.model_copy(
+                update={
+                    "webhook_secret_file": secret_file,
+                    "webhook_allow_http": True,
+                    "webhook_allow_private": True,
+                }
+            )
+        )
+    )
+    url = str(receiver_server.make_url("/hook"))
+    job_id = await submit(
+        client, entrypoint="echo hi", notify=[{"url": url, "events": ["job.succeeded"]}]
+    )
+    assert (await wait_for_status(client, job_id))["status"] == "SUCCEEDED"
+
+    watch = await open_page(browser, client, f"/#/jobs/{job_id}")
+    page = watch.page
+    delivery = page.locator("#deliveries tbody tr")
+    await expect(delivery.locator('[data-field="state"]')).to_have_text("delivered")
+    await expect(delivery).to_have_count(1)
+    await expect(delivery.locator('[data-field="event"]')).to_have_text("job.succeeded")
+    await expect(delivery.locator('[data-field="url"]')).to_have_text(url)
+    await expect(delivery.locator('[data-field="attempts"]')).to_have_text("2")
+    await expect(delivery.locator('[data-field="last-status"]')).to_have_text("204")
+    await expect(delivery.locator('[data-field="delivered"]')).not_to_be_empty()
+    watch.assert_clean()
