@@ -78,7 +78,7 @@ from jobs_server.serving.upload_budget import UploadBudget
 from jobs_server.settings import Settings
 from jobs_server.state_dir import prepare_state_dirs
 from jobs_server.webhooks.notify_check import notify_validator
-from jobs_server.webhooks.planner import delivery_planner
+from jobs_server.webhooks.planner import delivery_planner, may_have_deliveries
 from jobs_server.webhooks.sender import SenderOptions, WebhookSender
 from jobs_server.webhooks.signing import WebhookSecrets, read_secret_file
 from jobs_server.webhooks.targets import TargetPolicy
@@ -233,7 +233,8 @@ async def _ray_backend(app: web.Application) -> AsyncIterator[None]:
     def on_events(events: list[JobEvent]) -> None:
         event_feed.publish(events)
         app[METRICS_KEY].observe_job_events(events)
-        webhook_sender.wake()
+        if may_have_deliveries(events, app[KEY_RING_KEY].webhooks_for):
+            webhook_sender.wake()
 
     # 0700, before anything is written there: a job must not read the archive or other logs.
     prepare_state_dirs(settings.state_dir, settings.log_dir)

@@ -30,6 +30,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from jobs_server.access.key_digest import digest_of, new_api_key
 from jobs_server.app import create_app
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.outbox import (
     DeliveryState,
     PlannedDelivery,
@@ -47,7 +48,7 @@ from jobs_server.manager.webhook_events import (
 )
 from jobs_server.metrics import ServerMetrics
 from jobs_server.settings import Settings
-from jobs_server.webhooks.planner import delivery_planner
+from jobs_server.webhooks.planner import delivery_planner, may_have_deliveries
 from jobs_server.webhooks.sender import SenderOptions, WebhookSender, payload_of, retry_delay_s
 from jobs_server.webhooks.signing import WebhookSecretError, WebhookSecrets, read_secret_file
 from jobs_server.webhooks.targets import TargetPolicy
@@ -270,6 +271,64 @@ def test_the_planner_names_the_targets_that_want_the_event() -> None:
     ]
 
 
+def test_only_events_that_may_have_deliveries_wake_the_sender() -> None:
+    endpoints = TenantWebhooks(
+        endpoints=(TenantWebhookEndpoint("https://all.example/", ALL_WEBHOOK_EVENTS),)
+    )
+
+    def webhooks_for(tenant: str) -> TenantWebhooks:
+        return endpoints if tenant == "a" else NO_WEBHOOKS
+
+    plain = JobRecord(spec=JobSpec(submission_id="j", entrypoint="true"), tenant="b")
+    notifying = plain.with_changes(
+        spec=plain.spec.model_copy(update={"notify": (NotifyTarget(url="https://x.example/"),)})
+    )
+
+    def event(kind: JobEventType, record: JobRecord | None) -> JobEvent:
+        return JobEvent(id=1, type=kind, submission_id="j", time=0, record=record)
+
+    assert not may_have_deliveries([event(JobEventType.STATUS, plain)], webhooks_for)
+    assert not may_have_deliveries([event(JobEventType.SUBMITTED, notifying)], webhooks_for)
+    assert may_have_deliveries([event(JobEventType.STATUS, notifying)], webhooks_for)
+    tenants = plain.with_changes(tenant="a")
+    assert may_have_deliveries([event(JobEventType.STATUS, tenants)], webhooks_for)
+    assert may_have_deliveries([event(JobEventType.STATUS, None)], webhooks_for)
+
+
+async def test_an_empty_outbox_is_read_never_claimed() -> None:
+    """A claim is a write: a server whose outbox has nothing due makes none, however often its
+    sender is woken."""
+    outbox = MemoryOutbox()
+    claims = 0
+    claim = outbox.claim_due_deliveries
+
+    async def counted(now_ms: int, limit: int, claim_ms: int) -> list[WebhookDelivery]:
+        nonlocal claims
+        claims += 1
+        return await claim(now_ms, limit, claim_ms)
+
+    outbox.claim_due_deliveries = counted  # type: ignore[method-assign]
+    sender = WebhookSender(
+        outbox,
+        policy=LOOPBACK_HTTP,
+        secrets=WebhookSecrets(server=(new_secret(),)),
+        options=SenderOptions(timeout_s=1, max_in_flight=1, retry_max_s=60),
+    )
+    task = asyncio.create_task(sender.run())
+    try:
+        for _ in range(20):
+            sender.wake()
+            await asyncio.sleep(0.01)
+        assert claims == 0
+        outbox.add("http://127.0.0.1:9/hook", created_ms=now_ms() + 3_600_000)
+        sender.wake()
+        await asyncio.sleep(0.05)
+        assert claims == 0  # pending, not due
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def test_the_backoff_doubles_to_its_cap_with_full_jitter() -> None:
     assert [retry_delay_s(attempt, 3600.0, lambda: 1.0) for attempt in (1, 2, 3, 13, 500)] == [
         1.0,
@@ -418,7 +477,11 @@ class RunningSender:
 
 
 @pytest.fixture
-async def run_sender() -> AsyncIterator[Callable[..., Awaitable[RunningSender]]]:
+async def run_sender(
+    receivers: Callable[..., Awaitable[Receiver]],
+) -> AsyncIterator[Callable[..., Awaitable[RunningSender]]]:
+    """Senders on outboxes in memory; stopped before the receivers (which they may still be
+    sending to) are."""
     tasks: list[asyncio.Task[None]] = []
 
     async def run(
@@ -448,7 +511,8 @@ async def run_sender() -> AsyncIterator[Callable[..., Awaitable[RunningSender]]]
     yield run
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    # A cancelled sender ends at once, its sends in flight with it.
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
 
 
 async def test_a_delivery_is_signed_and_its_body_is_the_event_and_the_jobs_details(
@@ -489,7 +553,8 @@ async def test_a_rotated_secret_signs_twice_and_each_receiver_verifies(
     knows_neither = await receivers([new_secret()])
     tenant = TenantWebhooks(secrets=(old, new))
     running = await run_sender(
-        WebhookSecrets(server=(), webhooks_for=lambda name: tenant if name == "a" else NO_WEBHOOKS)
+        WebhookSecrets(server=(), webhooks_for=lambda name: tenant if name == "a" else NO_WEBHOOKS),
+        uniform=lambda: 1.0,  # the stranger's refusals are retried, not at once
     )
     for receiver in (knows_old, knows_new, knows_neither):
         running.outbox.add(receiver.url, tenant="a")
@@ -539,6 +604,31 @@ async def test_a_410_disables_the_endpoint_and_its_pending_deliveries(
     # None is written for it again (the archive's side: here, the memory's).
     running.outbox.add(gone.url)
     assert len(running.outbox.rows) == 2
+
+
+async def test_a_busy_sender_stops_when_cancelled(
+    receivers: Callable[..., Awaitable[Receiver]],
+) -> None:
+    """Woken all the time (every send that ends wakes it), it still ends at its cancellation:
+    asyncio.wait_for on 3.11 lost about one in six here."""
+    secret = new_secret()
+    failing = await receivers([secret], default_status=500)
+    for _ in range(10):
+        outbox = MemoryOutbox()
+        sender = WebhookSender(
+            outbox,
+            policy=LOOPBACK_HTTP,
+            secrets=WebhookSecrets(server=(secret,)),
+            options=SenderOptions(timeout_s=5, max_in_flight=4, retry_max_s=RETRY_WINDOW_S),
+            uniform=lambda: 0.0,  # retried at once: as busy as it gets
+        )
+        for _ in range(4):
+            outbox.add(failing.url)
+        task = asyncio.create_task(sender.run())
+        busy_at = len(failing.received) + 20
+        await eventually(lambda: len(failing.received) > busy_at, "a busy sender")  # noqa: B023
+        task.cancel()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 5)
 
 
 async def test_retries_end_failed_past_the_retry_window(

@@ -5,8 +5,9 @@ read at start and on SIGHUP, by the key ring) and never blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
+from jobs_server.manager.archive.events import JobEvent, JobEventType
 from jobs_server.manager.archive.outbox import DeliveryPlanner, PlannedDelivery, TargetSource
 from jobs_server.manager.records import JobRecord
 from jobs_server.manager.webhook_events import TenantWebhooks, WebhookEventType
@@ -29,3 +30,20 @@ def delivery_planner(webhooks_for: Callable[[str], TenantWebhooks]) -> DeliveryP
         return list(dict.fromkeys(planned))
 
     return plan_deliveries
+
+
+def may_have_deliveries(
+    events: Iterable[JobEvent], webhooks_for: Callable[[str], TenantWebhooks]
+) -> bool:
+    """Whether any of `events` (committed) may have written deliveries: a status change of a
+    job with `notify` targets or of a tenant with endpoints. The sender is woken for those
+    only: a server without webhooks never looks at its outbox for a job's change."""
+    for event in events:
+        if event.type is not JobEventType.STATUS:
+            continue
+        record = event.record
+        if record is None:  # not known here: look
+            return True
+        if record.spec.notify or webhooks_for(record.tenant).endpoints:
+            return True
+    return False

@@ -45,6 +45,8 @@ RETRY_CAP_S = 3600.0
 RETRY_WINDOW_FRACTION = 0.1
 # After an outbox call failed (the database away), the worker waits this long.
 OUTBOX_ERROR_PAUSE_S = 1.0
+# Due deliveries another sender claimed first: looked at again after this.
+CLAIM_RACE_PAUSE_S = 0.05
 # The pending gauge of /metrics is counted at most this often (a count of the outbox).
 PENDING_COUNT_INTERVAL_S = 10.0
 # A receiver's error text kept for GET .../deliveries.
@@ -128,8 +130,11 @@ class WebhookSender:
                 self._wake.clear()
                 wait_s = await self._claim_and_start(session)
                 if wait_s > 0:
+                    # Not wait_for: on 3.11 it can swallow a cancellation that comes as the
+                    # wake does (a busy sender is woken all the time), and never stop.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), wait_s)
+                        async with asyncio.timeout(wait_s):
+                            await self._wake.wait()
         finally:
             for task in self._in_flight:
                 task.cancel()
@@ -137,26 +142,28 @@ class WebhookSender:
             await session.close()
 
     async def _claim_and_start(self, session: aiohttp.ClientSession) -> float:
-        """Start what is due within the free slots; how long to wait before looking again."""
-        wait_s = FALLBACK_POLL_S
+        """Start what is due within the free slots; how long to wait before looking again (a
+        woken worker looks at once). A read first: a claim is a write, made only for what is
+        due."""
         try:
-            free = self._options.max_in_flight - len(self._in_flight)
-            if free > 0:
-                claimed = await self._outbox.claim_due_deliveries(
-                    now_ms(), free, self._options.claim_ms
-                )
-                for delivery in claimed:
-                    self._start(session, delivery)
-                if len(claimed) < free:
-                    due_ms = await self._outbox.next_delivery_due_ms()
-                    if due_ms is not None:
-                        # At least a tick: a row due now was claimed by another sender.
-                        wait_s = min(wait_s, max(0.01, (due_ms - now_ms()) / 1000))
             await self._count_pending()
+            free = self._options.max_in_flight - len(self._in_flight)
+            if free <= 0:
+                return FALLBACK_POLL_S  # a send that ends wakes it
+            due_ms = await self._outbox.next_delivery_due_ms()
+            now = now_ms()
+            if due_ms is None:
+                return FALLBACK_POLL_S
+            if due_ms > now:
+                return min(FALLBACK_POLL_S, (due_ms - now) / 1000)
+            claimed = await self._outbox.claim_due_deliveries(now, free, self._options.claim_ms)
         except Exception as error:
             logger.warning("webhooks: the outbox did not answer (%s); trying again", error)
-            wait_s = OUTBOX_ERROR_PAUSE_S
-        return wait_s
+            return OUTBOX_ERROR_PAUSE_S
+        for delivery in claimed:
+            self._start(session, delivery)
+        # More may be due at once; none claimed: another sender took them, look again soon.
+        return 0.0 if claimed else CLAIM_RACE_PAUSE_S
 
     def _start(self, session: aiohttp.ClientSession, delivery: WebhookDelivery) -> None:
         task = asyncio.create_task(self._deliver(session, delivery), name=f"webhook-{delivery.id}")
