@@ -26,6 +26,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from prometheus_client import generate_latest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from jobs_server.access.key_digest import digest_of, new_api_key
@@ -604,6 +605,24 @@ async def test_a_410_disables_the_endpoint_and_its_pending_deliveries(
     # None is written for it again (the archive's side: here, the memory's).
     running.outbox.add(gone.url)
     assert len(running.outbox.rows) == 2
+
+
+async def test_the_pending_gauge_counts_the_outbox(
+    run_sender: Callable[..., Awaitable[RunningSender]],
+) -> None:
+    running = await run_sender(WebhookSecrets(server=(new_secret(),)))
+    later = now_ms() + 3_600_000
+    for _ in range(3):
+        running.outbox.add("http://127.0.0.1:9/hook", created_ms=later)
+    # Counted at the sender's first look (then at most every 10 s).
+    running.sender.wake()
+    await eventually(
+        lambda: (
+            b"jobs_server_webhook_deliveries_pending 3.0"
+            in generate_latest(running.metrics.registry)
+        ),
+        "counted",
+    )
 
 
 async def test_a_busy_sender_stops_when_cancelled(
