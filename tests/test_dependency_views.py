@@ -220,6 +220,32 @@ async def test_a_deleted_dependency_and_a_server_without_deliveries(
     watch.assert_clean(allowed_console=re.compile(r"status of 404"))
 
 
+async def test_a_dependency_deleted_after_it_held_stays_met(
+    fake_client: TestClient[Any, Any], fake: FakeJobManager, browser: Browser
+) -> None:
+    held = await submit(fake_client, entrypoint="prepare")
+    other = await submit(fake_client, entrypoint="train")
+    child = await submit(
+        fake_client,
+        entrypoint="report",
+        depends_on=[{"submission_id": held}, {"submission_id": other}],
+    )
+    fake.start(held)
+    fake.finish(held)
+    await fake.delete_job(held)  # its condition held first: the server keeps it met
+
+    watch = await open_page(browser, fake_client)
+    page = watch.page
+    await serve_met(page, {(child, held): True, (child, other): False})
+    await page.goto(str(fake_client.make_url(f"/#/jobs/{child}")))
+    await expect(cell(page, "dependencies", held, "status")).to_have_text("deleted")
+    await expect(cell(page, "dependencies", held, "met")).to_have_text("met")
+    await expect(cell(page, "dependencies", other, "met")).to_have_text("not yet")
+    await expect(page.locator("#dependencies-summary")).to_have_text("1 of 2 met")
+    await expect(page.locator("#dependency-failure")).to_be_empty()
+    watch.assert_clean(allowed_console=re.compile(r"status of 404"))
+
+
 async def test_a_real_chains_pages(client: TestClient[Any, Any], browser: Browser) -> None:
     """End to end on real Ray: the server decides `met` and runs the child after its parent."""
     parent = await submit(client, entrypoint="echo parent")

@@ -59,12 +59,17 @@ export async function readDependents(job, signal) {
   return { dependents, complete: after === null };
 }
 
+/** Whether a dependency can no longer be met, from its details (null: deleted) read here; the
+ * server's `met` first: a job deleted after its condition held stays met. */
+function neverMet(dependency, details) {
+  if (dependency.met === true || details === undefined) return false;
+  return !canStillHold(dependency.condition, details?.status ?? null);
+}
+
 /** Whether a dependency is met: the server's word, and "never" once it cannot be. */
 function metText(dependency, details) {
-  if (details !== undefined && !canStillHold(dependency.condition, details?.status ?? null)) {
-    return "never";
-  }
   if (dependency.met === true) return "met";
+  if (neverMet(dependency, details)) return "never";
   if (dependency.met === false) return "not yet";
   return "not known";
 }
@@ -83,9 +88,8 @@ export function neverRanText(job, detailsById) {
   if (job.error_type !== NEVER_SATISFIED) return null;
   for (const dependency of job.depends_on ?? []) {
     const id = dependency.submission_id;
-    if (!detailsById.has(id)) continue;
     const details = detailsById.get(id);
-    if (canStillHold(dependency.condition, details?.status ?? null)) continue;
+    if (!neverMet(dependency, details)) continue;
     const outcome = details === null ? "was deleted" : `ended ${details.status}`;
     return `This job never ran: it was to run after ${id} ${dependency.condition}, but ${id} ${outcome}.`;
   }
