@@ -1134,3 +1134,68 @@ async def test_replicas_share_the_outbox_and_a_dead_ones_deliveries_are_sent_by_
         assert receiver.badly_signed == []
     finally:
         await asyncio.to_thread(group.stop)
+
+
+@pytest.mark.slow
+async def test_a_tenant_endpoint_added_by_sighup_gets_the_next_jobs_events(
+    ray_connection: str, tmp_path: Path, receivers: Callable[..., Awaitable[Receiver]]
+) -> None:
+    """The planner reads the tokens file as the last SIGHUP left it: no restart. Another
+    tenant's key gets the job's deliveries as it gets the job: 404."""
+    secret = new_secret()
+    receiver = await receivers([secret])
+    key, other_key = new_api_key(), new_api_key()
+    keys = (
+        f'[[keys]]\ndigest = "{digest_of(key)}"\ntenant = "team-a"\nrole = "submit"\n'
+        f'[[keys]]\ndigest = "{digest_of(other_key)}"\ntenant = "team-b"\nrole = "submit"\n'
+        f'[tenants.team-a]\nwebhook_secrets = ["{secret}"]\n'
+    )
+    tokens_file = tmp_path / "tokens.toml"
+    tokens_file.write_text(keys)
+    namespace = f"test_webhooks_{uuid.uuid4().hex[:8]}"
+    server = ServerProcess(
+        [
+            *("--ray-address", ray_connection, "--namespace", namespace),
+            *("--state-dir", str(tmp_path / "state"), "--log-dir", str(tmp_path / "logs")),
+            *("--tokens-file", str(tokens_file)),
+            "--webhook-allow-http",
+            "--webhook-allow-private",
+        ],
+        tmp_path / "server.log",
+    )
+    headers = {"Authorization": f"Bearer {key}"}
+    try:
+        await server.start()
+        async with aiohttp.ClientSession(base_url=server.url, headers=headers) as api:
+
+            async def run_job() -> str:
+                response = await api.post("/api/jobs/", json={"entrypoint": "true"})
+                assert response.status == 200, await response.text()
+                job_id = str((await response.json())["submission_id"])
+                await wait_for_status(api, job_id, timeout_s=120)
+                return job_id
+
+            before = await run_job()
+            tokens_file.write_text(
+                keys + f'webhooks = [{{ url = "{receiver.url}", events = ["job.succeeded"] }}]\n'
+            )
+            assert server.process is not None
+            os.kill(server.process.pid, signal.SIGHUP)
+            await eventually(
+                lambda: "reloaded" in server.log_path.read_text(), "the tokens file reloaded"
+            )
+            after = await run_job()
+            await eventually(lambda: (after, "job.succeeded") in receiver.events(), "delivered")
+            assert receiver.events() == {(after, "job.succeeded")}
+            assert (await (await api.get(f"/api/jobs/{before}/deliveries")).json()) == {
+                "deliveries": []
+            }
+            other = await api.get(
+                f"/api/jobs/{after}/deliveries",
+                headers={"Authorization": f"Bearer {other_key}"},
+            )
+            assert other.status == 404
+            assert (await other.json())["error"]["code"] == "job_not_found"
+    finally:
+        server.stop()
+        kill_actors_in_namespace(namespace)
