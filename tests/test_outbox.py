@@ -215,6 +215,30 @@ async def test_a_start_learnt_with_its_first_attempt_ended_is_a_start_and_a_retr
     ]
 
 
+async def test_an_end_archived_without_its_start_still_delivers_the_start(
+    outbox: JobArchive,
+) -> None:
+    """A job that ended before its start was written: one status event (the stream shows what
+    was archived), and deliveries of its start, its retries and its end."""
+    job = record("a")
+    await outbox.insert(job)
+    ended = running(job, 2).with_changes(status=JobStatus.FAILED, end_time=9_000)
+    await outbox.update(ended.with_changes(attempts=ended.attempts[:-1]))
+    [event] = (await outbox.events_after(0, 100))[1:]
+    assert (event.type, event.status) == (JobEventType.STATUS, JobStatus.FAILED)
+    deliveries = await outbox.deliveries_of("a")
+    assert {d.event_id for d in deliveries} == {event.id}
+    for url in (RECEIVER, TENANT_ENDPOINT):
+        assert sorted(d.event_type for d in deliveries if d.url == url) == sorted(
+            [WebhookEventType.STARTED, WebhookEventType.RETRYING, WebhookEventType.FAILED]
+        )
+
+
+STARTED = (WebhookEventType.STARTED,)
+SUCCEEDED = (WebhookEventType.SUCCEEDED,)
+FAILED = (WebhookEventType.FAILED,)
+
+
 @pytest.mark.parametrize(
     ("stored", "stored_ended", "status", "ended", "expected"),
     [
@@ -236,6 +260,21 @@ async def test_a_start_learnt_with_its_first_attempt_ended_is_a_start_and_a_retr
         (JobStatus.RUNNING, 1, JobStatus.SUCCEEDED, 2, (WebhookEventType.SUCCEEDED,)),
         (JobStatus.RUNNING, 0, JobStatus.FAILED, 1, (WebhookEventType.FAILED,)),
         (JobStatus.PENDING, 0, JobStatus.STOPPED, 0, (WebhookEventType.STOPPED,)),
+        (JobStatus.RUNNING, 0, JobStatus.FAILED, 3, (WebhookEventType.RETRYING,) * 2 + FAILED),
+        # Archived only at its end (it ended before its start was written): its start is sent.
+        (JobStatus.PENDING, 0, JobStatus.SUCCEEDED, 1, STARTED + SUCCEEDED),
+        (None, 0, JobStatus.SUCCEEDED, 1, STARTED + SUCCEEDED),
+        (
+            JobStatus.PENDING,
+            0,
+            JobStatus.FAILED,
+            3,
+            STARTED + (WebhookEventType.RETRYING,) * 2 + FAILED,
+        ),
+        # Never ran (stopped while queued, a dependency never satisfied): its end alone.
+        (JobStatus.PENDING, 0, JobStatus.FAILED, 0, FAILED),
+        # Written again once ended (a deletion's hold, say): nothing.
+        (JobStatus.SUCCEEDED, 1, JobStatus.SUCCEEDED, 1, ()),
     ],
 )
 def test_which_webhook_events_a_change_is(

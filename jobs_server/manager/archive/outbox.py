@@ -91,22 +91,33 @@ def webhook_events_of(
     stored_status: JobStatus | None, stored_ended_attempts: int, record: JobRecord
 ) -> tuple[WebhookEventType, ...]:
     """The webhook events that writing `record` over a row of `stored_status` (None: a new row)
-    with `stored_ended_attempts` is, in order: a start, an end, and a retry for each attempt
-    ended since while the job is RUNNING still (another attempt follows it). A start learnt
-    with its first attempt ended already (a short attempt's start is written with its end) is
-    a start and a retry."""
+    with `stored_ended_attempts` is, in order: a start, a retry for each attempt ended since
+    that another attempt followed, and an end. What was never written is sent still: a start
+    learnt with its first attempt ended already (a short attempt's start is written with its
+    end) is a start and a retry; a job that ran but was archived only at its end (it ended
+    before its start was written) is a start, its retries and its end."""
     status = record.status
-    events: tuple[WebhookEventType, ...] = ()
-    if status != stored_status and status in _EVENT_OF_STATUS:
-        events = (_EVENT_OF_STATUS[status],)
+    if (stored_status is not None and stored_status.is_terminal()) or not (
+        status is JobStatus.RUNNING or status.is_terminal()
+    ):
+        return ()
+    changed = status is not stored_status
+    learnt_running = stored_status is JobStatus.RUNNING
     if status is JobStatus.RUNNING:
-        before = stored_ended_attempts if stored_status is JobStatus.RUNNING else 0
-        events += (WebhookEventType.RETRYING,) * max(0, ended_attempts(record) - before)
+        started = changed
+        retried = ended_attempts(record)
+    else:
+        started = bool(record.attempts) and not learnt_running
+        retried = len(record.attempts) - 1  # its last attempt is its end, not a retry
+    before = stored_ended_attempts if learnt_running else 0
+    events = (WebhookEventType.STARTED,) if started else ()
+    events += (WebhookEventType.RETRYING,) * max(0, retried - before)
+    if changed and status.is_terminal():
+        events += (_END_OF_STATUS[status],)
     return events
 
 
-_EVENT_OF_STATUS = {
-    JobStatus.RUNNING: WebhookEventType.STARTED,
+_END_OF_STATUS = {
     JobStatus.SUCCEEDED: WebhookEventType.SUCCEEDED,
     JobStatus.FAILED: WebhookEventType.FAILED,
     JobStatus.STOPPED: WebhookEventType.STOPPED,

@@ -115,26 +115,31 @@ def new_delivery_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
+def may_have_retried(record: JobRecord) -> bool:
+    if record.status is JobStatus.RUNNING:
+        return ended_attempts(record) > 0
+    return record.status.is_terminal() and len(record.attempts) > 1
+
+
 def events_of_change(
     stored_status: JobStatus, stored_text: str, record: JobRecord, parse: RecordParser
-) -> list[WebhookEventType | None]:
+) -> list[tuple[WebhookEventType, ...]]:
     """The status events a change of the stored row (its status, its record's text) to `record`
-    is, one each: the webhook event it is (`webhook_events_of`), None for a change of status that
-    is none (back to PENDING). The stored record is parsed only where a retry may be (RUNNING
-    learnt again with an attempt ended): a start or an end, the common changes, needs no parse."""
+    is, each with the webhook events it causes (`webhook_events_of`): one per change of status
+    (a start, an end; back to PENDING causes none), and one per retry learnt while the job runs.
+    What an end brings that was never written (a start, retries) rides on the end's event: the
+    stream shows the job's changes as they were archived, once each.
+
+    The stored record is parsed only where a retry may be (RUNNING learnt again with an attempt
+    ended, or an end after more than one attempt): a start or an end of a job that ran once, the
+    common changes, needs no parse."""
     stored_ended = 0
-    if (
-        stored_status is JobStatus.RUNNING
-        and record.status is JobStatus.RUNNING
-        and ended_attempts(record) > 0
-    ):
+    if stored_status is JobStatus.RUNNING and may_have_retried(record):
         stored_ended = ended_attempts(parse(stored_text))
-    events: list[WebhookEventType | None] = list(
-        webhook_events_of(stored_status, stored_ended, record)
-    )
-    if not events and record.status is not stored_status:
-        events.append(None)
-    return events
+    webhook_events = webhook_events_of(stored_status, stored_ended, record)
+    if record.status is JobStatus.RUNNING:
+        return [(event,) for event in webhook_events]
+    return [webhook_events] if record.status is not stored_status else []
 
 
 def planned_rows(

@@ -551,7 +551,8 @@ class PostgresArchive:
         )
         events = []
         # A retry (RUNNING still) is an event too: the stream shows it, its deliveries name it.
-        for webhook_event in changes:
+        # An end learnt late brings its start's deliveries (outbox_rows.events_of_change).
+        for webhook_events in changes:
             event = await _add_event(
                 db,
                 JobEventType.STATUS,
@@ -563,7 +564,7 @@ class PostgresArchive:
                 text,
             )
             events.append(event)
-            if webhook_event is not None:
+            for webhook_event in webhook_events:
                 await self._add_deliveries(db, record, webhook_event, event, text)
         return record, events
 

@@ -393,10 +393,11 @@ class Archive:
         )
         events = []
         # A retry (RUNNING still) is an event too: the stream shows it, its deliveries name it.
-        for webhook_event in changes:
+        # An end learnt late brings its start's deliveries (outbox_rows.events_of_change).
+        for webhook_events in changes:
             event = self._event(db, JobEventType.STATUS, record, tenant, text)
             events.append(event)
-            if webhook_event is not None:
+            for webhook_event in webhook_events:
                 self._add_deliveries(db, record, webhook_event, event, text)
         return record, events
 
