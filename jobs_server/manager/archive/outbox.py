@@ -110,7 +110,7 @@ def webhook_events_of(
         started = bool(record.attempts) and not learnt_running
         retried = len(record.attempts) - 1  # its last attempt is its end, not a retry
     before = stored_ended_attempts if learnt_running else 0
-    events = (WebhookEventType.STARTED,) if started else ()
+    events: tuple[WebhookEventType, ...] = (WebhookEventType.STARTED,) if started else ()
     events += (WebhookEventType.RETRYING,) * max(0, retried - before)
     if changed and status.is_terminal():
         events += (_END_OF_STATUS[status],)
