@@ -157,6 +157,8 @@ def serve(flags: dict[str, Any]) -> None:
     from jobs_server.manager.tenancy import RunAs
     from jobs_server.serving.request_body import describe_validation_error
     from jobs_server.state_dir import StateDirError, lock_state_dir
+    from jobs_server.webhooks.signing import read_secret_file
+    from jobs_server.webhooks.targets import TargetPolicy
 
     try:
         settings = load_settings(flags)
@@ -177,7 +179,10 @@ def serve(flags: dict[str, Any]) -> None:
         token = resolve_auth_token(settings)
         users = set()
         if settings.tokens_file is not None:
-            tokens = load_tokens_file(settings.tokens_file)  # checked whole: an error is no start
+            # Checked whole, webhook URLs by the server's own policy: an error is no start.
+            tokens = load_tokens_file(
+                settings.tokens_file, target_policy=TargetPolicy.from_settings(settings)
+            )
             users = {limits.run_as.name for limits in tokens.limits.values() if limits.run_as}
         if settings.jobs_user is not None:
             RunAs.of(settings.jobs_user)
@@ -188,6 +193,8 @@ def serve(flags: dict[str, Any]) -> None:
                 " run_as), but this server cannot change user: it needs root or CAP_SETUID and"
                 " CAP_SETGID"
             )
+        if settings.webhook_secret_file is not None:
+            read_secret_file(settings.webhook_secret_file)  # WebhookSecretError: a ValueError
         ssl_context = _ssl_context(settings)
     except (TokenSourceError, TokensFileError, OSError, ssl.SSLError, ValueError) as error:
         sys.exit(f"jobs-server: {error}")

@@ -303,12 +303,6 @@ def test_serve_refuses_to_start_with_an_invalid_tokens_file(
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.serve checks the tokens file without the server's webhook policy and does not"
-    " read --webhook-secret-file: create_app refuses both, with a traceback (cli.py: pass"
-    " TargetPolicy.from_settings(settings) to load_tokens_file, call read_secret_file)",
-)
 @pytest.mark.parametrize(
     ("flag", "content", "error"),
     [
