@@ -99,6 +99,31 @@ def test_a_held_condition_stays_held_when_its_job_is_deleted_later() -> None:
     assert "c" in waits
 
 
+def test_a_deletion_records_held_conditions_of_its_own_dependents_only_and_once() -> None:
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", S), ("b", S)))
+    waits.add(child("d", ("a", F), ("b", S)))  # its condition on a does not hold
+    waits.add(child("e", ("x", S)))  # not a dependent of a
+    waits.add(child("f", ("a", E), ("b", S)))  # held by the status the deleted job has
+    assert waits.learn("b", JobStatus.PENDING) == []
+    deleted = JobRecord(
+        spec=JobSpec(entrypoint="true", submission_id="a"), status=JobStatus.SUCCEEDED
+    )
+    updated = waits.held_before_deletion(deleted)
+    assert [(r.submission_id, r.dependencies_held) for r in updated] == [
+        ("c", ("a",)),
+        ("f", ("a",)),
+    ]
+    assert waits.record("c") == updated[0]
+    # Recorded: a second deletion of the same id (another run) records nothing again.
+    assert waits.held_before_deletion(deleted) == []
+    # A job taken out of the waits is in no index; one added since is.
+    waits.remove("f")
+    waits.add(child("g", ("a", S)))
+    assert [r.submission_id for r in waits.held_before_deletion(deleted)] == ["g"]
+    assert "d" in waits  # its end (never satisfied) comes with the deletion's event
+
+
 def test_statuses_read_after_the_registration_decide_at_once() -> None:
     waits = DependencyWaits()
     waits.add(child("c", ("a", S), ("b", S)))

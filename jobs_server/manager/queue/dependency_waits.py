@@ -90,6 +90,11 @@ class DependencyWaits:
     def __init__(self) -> None:
         self._waits: dict[str, _Wait] = {}
         self._dependents: dict[str, set[str]] = {}
+        """Pending conditions: by the job waited for, the jobs waiting for it."""
+        self._unrecorded: dict[str, set[str]] = {}
+        """Every condition, pending or held, that its waiting job's record does not yet list
+        held (`dependencies_held`): by the job waited for, the jobs that depend on it. A
+        deletion visits only its own dependents."""
 
     def __contains__(self, submission_id: object) -> bool:
         return submission_id in self._waits
@@ -119,6 +124,7 @@ class DependencyWaits:
         self._waits[record.submission_id] = wait
         for parent in wait.pending:
             self._dependents.setdefault(parent, set()).add(record.submission_id)
+            self._unrecorded.setdefault(parent, set()).add(record.submission_id)
 
     def remove(self, submission_id: str, run_id: str | None = None) -> JobRecord | None:
         """Take a waiting job out (the run `run_id`, if given): its record, None if it is not
@@ -128,16 +134,15 @@ class DependencyWaits:
             return None
         del self._waits[submission_id]
         for parent in wait.pending:
-            children = self._dependents.get(parent)
-            if children is not None:
-                children.discard(submission_id)
-                if not children:
-                    del self._dependents[parent]
+            _unindex(self._dependents, parent, submission_id)
+        for dependency in wait.record.spec.depends_on:
+            _unindex(self._unrecorded, dependency.submission_id, submission_id)
         return wait.record
 
     def clear(self) -> None:
         self._waits.clear()
         self._dependents.clear()
+        self._unrecorded.clear()
 
     def learn(self, submission_id: str, status: JobStatus | None) -> list[Resolution]:
         """The job `submission_id` is now `status` (None: deleted): the waiting jobs it
@@ -168,10 +173,7 @@ class DependencyWaits:
             return None  # held already (or not a dependency)
         if status is not None and condition.holds(status):
             del wait.pending[parent]
-            children = self._dependents[parent]
-            children.discard(child)
-            if not children:
-                del self._dependents[parent]
+            _unindex(self._dependents, parent, child)
             if wait.pending:
                 return None
             self.remove(child)
@@ -188,19 +190,15 @@ class DependencyWaits:
         it gone knows it held. The waits keep the new records."""
         parent = deleted.submission_id
         updated = []
-        for wait in self._waits.values():
+        for child in sorted(self._unrecorded.get(parent, ())):
+            wait = self._waits[child]
+            condition = wait.pending.get(parent)
+            if condition is not None and not condition.holds(deleted.status):
+                continue
             record = wait.record
-            if parent in record.dependencies_held:
-                continue
-            condition = next(
-                (d.condition for d in record.spec.depends_on if d.submission_id == parent), None
-            )
-            if condition is None:
-                continue
-            if parent in wait.pending and not condition.holds(deleted.status):
-                continue
             wait.record = record.with_changes(dependencies_held=(*record.dependencies_held, parent))
             updated.append(wait.record)
+            _unindex(self._unrecorded, parent, child)
         return updated
 
     def record(self, submission_id: str) -> JobRecord | None:
@@ -218,3 +216,11 @@ class DependencyWaits:
             if dependency.submission_id in wait.pending
         ]
         return waiting_message(pending, len(wait.record.spec.depends_on))
+
+
+def _unindex(index: dict[str, set[str]], parent: str, child: str) -> None:
+    children = index.get(parent)
+    if children is not None:
+        children.discard(child)
+        if not children:
+            del index[parent]
