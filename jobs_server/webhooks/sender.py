@@ -45,6 +45,11 @@ RETRY_CAP_S = 3600.0
 RETRY_WINDOW_FRACTION = 0.1
 # After an outbox call failed (the database away), the worker waits this long.
 OUTBOX_ERROR_PAUSE_S = 1.0
+# A woken worker waits this long before it looks, so that the wakes of a burst (one per
+# commit of the archive, one per finished send) are one read and one claim of a batch, not one
+# each: a burst of 100 deliveries was 299 looks at the outbox, each a read and a claim, whose
+# writes queued behind the API's own. A delivery waits this much more: well within its 1 s.
+WAKE_COALESCE_S = 0.02
 # Due deliveries another sender claimed first: looked at again after this.
 CLAIM_RACE_PAUSE_S = 0.05
 # The pending gauge of /metrics is counted at most this often (a count of the outbox).
@@ -135,6 +140,7 @@ class WebhookSender:
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(wait_s):
                             await self._wake.wait()
+                            await asyncio.sleep(WAKE_COALESCE_S)
         finally:
             for task in self._in_flight:
                 task.cancel()
