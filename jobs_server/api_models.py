@@ -13,6 +13,7 @@ from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager import limits as stored_limits
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.outbox import DeliveryState, WebhookDelivery
+from jobs_server.manager.queue.dependency_waits import met_by_record
 from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,
@@ -438,7 +439,8 @@ class JobDetails(BaseModel):
     ) -> JobDetails:
         """The job's details; `driver` is the Ray driver its command started, if it did (by
         default the one written with the job's end); `dependencies_met`: by submission id,
-        whether each job it depends on has met its condition (None: not known)."""
+        whether each job it depends on has met its condition now (None: what the record
+        alone tells, the rest not known)."""
         spec = record.spec
         if driver is None:
             driver = record.ray_driver
@@ -462,7 +464,7 @@ class JobDetails(BaseModel):
         options["entrypoint_resources"] = spec.entrypoint_resources or None
         if spec.limits is not None:
             options["limits"] = JobLimits(**spec.limits.model_dump())
-        met = dependencies_met or {}
+        met = met_by_record(record) if dependencies_met is None else dependencies_met
         options["depends_on"] = [
             JobDependencyDetails(
                 submission_id=dependency.submission_id,

@@ -17,7 +17,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
-from jobs_server.manager.records import DependencyCondition, JobDependency, JobRecord, JobStatus
+from jobs_server.manager.records import (
+    DependencyCondition,
+    JobDependency,
+    JobErrorType,
+    JobRecord,
+    JobStatus,
+)
 
 # A waiting job's message names at most this many of the jobs it waits for (ids are bounded
 # too, so the message is).
@@ -82,6 +88,24 @@ def never_message(
     """Why a dependency on `submission_id` can no longer hold."""
     what = "was deleted" if status is None else f"ended {status}"
     return f"{submission_id} {what}; this job needed it {_WANTED[condition]}"
+
+
+def met_by_record(record: JobRecord) -> dict[str, bool]:
+    """What the job's record alone tells of its dependencies, by id: every one met once it
+    entered the queue; one held before its deletion met; the one a job that ended
+    DEPENDENCY_NEVER_SATISFIED names (its `never_message`) not met. The others are left out
+    (not known without their statuses)."""
+    dependencies = record.spec.depends_on
+    if record.dependencies_met_time is not None:
+        return {dependency.submission_id: True for dependency in dependencies}
+    met = {job_id: True for job_id in record.dependencies_held}
+    if record.error_type == JobErrorType.DEPENDENCY_NEVER_SATISFIED and record.message:
+        for dependency in dependencies:
+            job_id = dependency.submission_id
+            if record.message.startswith((f"{job_id} ended ", f"{job_id} was deleted;")):
+                met[job_id] = False
+                break
+    return met
 
 
 class DependencyWaits:
