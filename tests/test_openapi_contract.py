@@ -23,6 +23,8 @@ from pydantic import BaseModel, SecretStr
 from jobs_server import api_models
 from jobs_server.access.key_digest import digest_of
 from jobs_server.app import create_app
+from jobs_server.app_state import OUTBOX_KEY
+from jobs_server.routes import webhooks
 from jobs_server.settings import Settings
 from tests.support.api import wait_for_status
 from tests.support.fakes import FakeJobManager
@@ -99,13 +101,20 @@ def test_document_lists_exactly_the_routes(tmp_path: Path, contract: Contract) -
     assert documented - routed == set(), "operations in openapi.yaml that no route serves"
 
 
+# Modules whose public pydantic models are the document's schemas (a route's own models live
+# beside it; a leading underscore keeps a query's model out).
+MODEL_MODULES = (api_models, webhooks)
+
+
 def _api_models() -> dict[str, type[BaseModel]]:
     return {
         name: value
-        for name, value in vars(api_models).items()
+        for module in MODEL_MODULES
+        for name, value in vars(module).items()
         if inspect.isclass(value)
         and issubclass(value, BaseModel)
-        and value.__module__ == api_models.__name__
+        and value.__module__ == module.__name__
+        and not name.startswith("_")
     }
 
 
@@ -197,6 +206,26 @@ async def test_responses_match_the_document(
     deliveries_path = f"/api/jobs/{finished_id}/deliveries"
     deliveries = (await api.call("GET", deliveries_path, expect=200))["deliveries"]
     assert [delivery["event_type"] for delivery in deliveries] == ["job.succeeded"]
+    # An endpoint a 410 disabled: listed, enabled once, then not disabled (404).
+    gone_hook = "https://gone.invalid/contract"
+    await client.server.app[OUTBOX_KEY].disable_webhook_endpoint("default", gone_hook, 1_000)
+    disabled = await api.call("GET", "/api/webhooks/disabled", expect=200)
+    assert disabled == {
+        "endpoints": [{"url": gone_hook, "tenant": "default", "disabled_at": 1_000}]
+    }
+    await api.call("GET", "/api/webhooks/disabled?tenant=no%20such", expect=400)
+    enable, enable_body = "/api/webhooks/enable", {"url": gone_hook}
+    assert contract.request_errors("enable_webhook_endpoint", enable_body) == []
+    bad_enable = {"url": "", "events": []}
+    assert contract.request_errors("enable_webhook_endpoint", bad_enable), "accepts a bad body"
+    await api.call("POST", enable, json=bad_enable, expect=400)
+    await api.call("POST", enable, data="url=x", expect=415)
+    await api.call("POST", enable, json={"url": "x" * BODY_LIMIT_BYTES}, expect=413)
+    enabled = await api.call("POST", enable, json=enable_body, expect=200)
+    assert enabled == {"enabled": True, "url": gone_hook, "tenant": "default"}
+    not_disabled = await api.call("POST", enable, json=enable_body, expect=404)
+    assert not_disabled["error"]["code"] == "webhook_endpoint_not_found"
+    assert await api.call("GET", "/api/webhooks/disabled", expect=200) == {"endpoints": []}
     listed = await api.call("GET", "/api/jobs/", expect=200)
     assert {job["submission_id"] for job in listed} == {finished_id, running_id}
     newest = await api.call("GET", "/api/jobs/?order=desc&limit=1", expect=200)
@@ -383,5 +412,11 @@ async def test_read_key_answers_match_the_document(
                 )
                 assert refused["error"]["code"] == "permission_denied"
                 changing.add(path_item[method]["operationId"])
-    assert changing == {"submit_job", "stop_job", "delete_job", "upload_package"}
+    assert changing == {
+        "submit_job",
+        "stop_job",
+        "delete_job",
+        "upload_package",
+        "enable_webhook_endpoint",
+    }
     assert (await fake.list_jobs()).records == []

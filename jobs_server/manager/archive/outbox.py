@@ -6,7 +6,8 @@ Deliveries are sent (jobs_server/webhooks/) by whichever server or replica claim
 claim moves the delivery's `next_attempt_ms` past the time a send may take (a visibility
 timeout), so a replica that dies mid-send leaves its claims to the others once they expire.
 Each attempt's outcome is written back; a receiver's 2xx ends the delivery, a 410 disables its
-endpoint (its pending deliveries end DISABLED, and no more are written for it).
+endpoint (its pending deliveries end DISABLED, and no more are written for it) until it is
+enabled again (`enable_webhook_endpoint`: from the next event on; what ended DISABLED stays so).
 """
 
 from __future__ import annotations
@@ -83,6 +84,16 @@ class WebhookDelivery(BaseModel):
     delivered_ms: int | None = None
 
 
+class DisabledWebhookEndpoint(BaseModel):
+    """A tenant's endpoint that answered 410 Gone: no delivery is written for it until enabled."""
+
+    model_config = ConfigDict(frozen=True)
+
+    tenant: str
+    url: str
+    disabled_ms: int
+
+
 def ended_attempts(record: JobRecord) -> int:
     return sum(1 for attempt in record.attempts if attempt.end_time is not None)
 
@@ -156,6 +167,17 @@ class Outbox(Protocol):
     async def disable_webhook_endpoint(self, tenant: str, url: str, at_ms: int) -> int:
         """The endpoint answered 410: no delivery is written for it again, and its PENDING ones
         end DISABLED; how many did."""
+        ...
+
+    async def disabled_webhook_endpoints(
+        self, tenant: str | None = None
+    ) -> list[DisabledWebhookEndpoint]:
+        """The endpoints a 410 disabled, `tenant`'s only if given, by tenant then URL."""
+        ...
+
+    async def enable_webhook_endpoint(self, tenant: str, url: str) -> bool:
+        """Deliveries are written for the endpoint again from the next event on (those that
+        ended DISABLED stay ended); False if it was not disabled."""
         ...
 
     async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from jobs_server.manager.archive.outbox import (
     DeliveryState,
+    DisabledWebhookEndpoint,
     PlannedDelivery,
     TargetSource,
     WebhookDelivery,
@@ -94,6 +95,14 @@ END_DISABLED = (
     "UPDATE webhook_deliveries SET state = 'disabled', next_attempt_ms = NULL"
     " WHERE state = 'pending' AND tenant = ? AND url = ?"
 )
+DISABLED_ENDPOINTS = (
+    "SELECT tenant, url, disabled_ms FROM webhook_endpoints_disabled ORDER BY tenant, url"
+)
+DISABLED_ENDPOINTS_OF = (
+    "SELECT tenant, url, disabled_ms FROM webhook_endpoints_disabled WHERE tenant = ? ORDER BY url"
+)
+# Deliveries that ended DISABLED stay ended: only the next events' are written for it again.
+ENABLE_ENDPOINT = "DELETE FROM webhook_endpoints_disabled WHERE tenant = ? AND url = ?"
 # One event's deliveries by URL: the order is stable, whatever the planner's.
 DELIVERIES_OF = (
     f"SELECT {COLUMNS} FROM webhook_deliveries WHERE submission_id = ?"
@@ -222,6 +231,18 @@ def delivery_of_row(row: Sequence[Any]) -> WebhookDelivery:
         last_error=last_error,
         delivered_ms=delivered_ms,
     )
+
+
+def disabled_endpoints_query(tenant: str | None) -> tuple[str, tuple[Any, ...]]:
+    """The statement and parameters that list the disabled endpoints (`tenant`'s, if given)."""
+    if tenant is None:
+        return DISABLED_ENDPOINTS, ()
+    return DISABLED_ENDPOINTS_OF, (tenant,)
+
+
+def disabled_endpoint_of_row(row: Sequence[Any]) -> DisabledWebhookEndpoint:
+    tenant, url, disabled_ms = row
+    return DisabledWebhookEndpoint(tenant=tenant, url=url, disabled_ms=disabled_ms)
 
 
 def state_counts(rows: Sequence[tuple[str, int]]) -> dict[DeliveryState, int]:

@@ -58,6 +58,7 @@ from jobs_server.manager.archive.new_rows import (
 from jobs_server.manager.archive.outbox import (
     DeliveryPlanner,
     DeliveryState,
+    DisabledWebhookEndpoint,
     WebhookDelivery,
     no_deliveries,
 )
@@ -668,6 +669,24 @@ class PostgresArchive:
                 return cursor.rowcount
 
         return await self._bounded(disable())
+
+    async def disabled_webhook_endpoints(
+        self, tenant: str | None = None
+    ) -> list[DisabledWebhookEndpoint]:
+        """The endpoints a 410 disabled, `tenant`'s only if given, by tenant then URL."""
+        rows = await self._rows(*outbox_rows.disabled_endpoints_query(tenant))
+        return [outbox_rows.disabled_endpoint_of_row(row) for row in rows]
+
+    async def enable_webhook_endpoint(self, tenant: str, url: str) -> bool:
+        """Deliveries are written for the endpoint again from the next event on (a change
+        committing meanwhile may still skip it); False if it was not disabled."""
+
+        async def enable() -> int:
+            async with self._connection() as db:
+                cursor = await db.execute(pyformat(outbox_rows.ENABLE_ENDPOINT), (tenant, url))
+                return cursor.rowcount
+
+        return await self._bounded(enable()) > 0
 
     async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:
         """The job's deliveries, oldest first (one event's by URL)."""

@@ -32,6 +32,7 @@ from jobs_server.manager.archive.new_rows import insert_new_rows
 from jobs_server.manager.archive.outbox import (
     DeliveryPlanner,
     DeliveryState,
+    DisabledWebhookEndpoint,
     WebhookDelivery,
     no_deliveries,
 )
@@ -565,6 +566,20 @@ class Archive:
         ended, _ = await self._writes.write(disable)
         return int(ended)
 
+    async def disabled_webhook_endpoints(
+        self, tenant: str | None = None
+    ) -> list[DisabledWebhookEndpoint]:
+        """The endpoints a 410 disabled, `tenant`'s only if given, by tenant then URL."""
+        return await self._read(_disabled_webhook_endpoints, tenant)
+
+    async def enable_webhook_endpoint(self, tenant: str, url: str) -> bool:
+        """Deliveries are written for the endpoint again from the next event on; False if it
+        was not disabled."""
+        removed, _ = await self._writes.write(
+            lambda db: (db.execute(outbox_rows.ENABLE_ENDPOINT, (tenant, url)).rowcount, [])
+        )
+        return bool(removed)
+
     async def deliveries_of(self, submission_id: str) -> list[WebhookDelivery]:
         """The job's deliveries, oldest first (one event's by URL)."""
         return await self._read(_deliveries_of, submission_id)
@@ -675,6 +690,14 @@ def _next_delivery_due_ms(db: sqlite3.Connection) -> int | None:
 def _deliveries_of(db: sqlite3.Connection, submission_id: str) -> list[WebhookDelivery]:
     rows = db.execute(outbox_rows.DELIVERIES_OF, (submission_id,)).fetchall()
     return [outbox_rows.delivery_of_row(row) for row in rows]
+
+
+def _disabled_webhook_endpoints(
+    db: sqlite3.Connection, tenant: str | None
+) -> list[DisabledWebhookEndpoint]:
+    statement, parameters = outbox_rows.disabled_endpoints_query(tenant)
+    rows = db.execute(statement, parameters).fetchall()
+    return [outbox_rows.disabled_endpoint_of_row(row) for row in rows]
 
 
 def _count_deliveries(db: sqlite3.Connection) -> dict[DeliveryState, int]:
