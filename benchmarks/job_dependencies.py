@@ -39,10 +39,8 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import sqlite3
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -51,8 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.client import ApiError, JobsApi, is_terminal, new_session
-from benchmarks.processes import jobs_server, kill_survivors, ray_head, set_up_benchmark_process
-from benchmarks.stats import percentile
+from benchmarks.processes import benchmark_run, jobs_server, ray_head, write_report
+from benchmarks.stats import percentile, percentile_or_nan
 
 logger = logging.getLogger("benchmarks.job_dependencies")
 
@@ -232,8 +230,8 @@ def render(
     load: tuple[tuple[float, float, float], tuple[float, float, float]],
 ) -> str:
     first = phases[0]
-    command_p50 = percentile(first.command_s, 50) if first.command_s else float("nan")
-    server_p50 = percentile(first.server_s, 50) if first.server_s else float("nan")
+    command_p50 = percentile_or_nan(first.command_s, 50)
+    server_p50 = percentile_or_nan(first.server_s, 50)
     failures = [failure for links in [*phases, rays] for failure in links.failed]
 
     def verdict(seconds: float) -> str:
@@ -242,7 +240,7 @@ def render(
     def at_a_time(links: Links) -> str:
         return "one chain at a time" if links.in_flight == 1 else f"{links.in_flight} at a time"
 
-    ray_p50 = percentile(rays.command_s, 50) if rays.command_s else float("nan")
+    ray_p50 = percentile_or_nan(rays.command_s, 50)
     lines = [
         "# Job dependencies: a child's start after its parent's end (issue 36)",
         "",
@@ -346,37 +344,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    set_up_benchmark_process()
-    started = datetime.datetime.now().astimezone()
-    load_before = os.getloadavg()
-    work_dir = Path(tempfile.mkdtemp(prefix="jobs-dependencies-", dir="/tmp"))
-    try:
-        with ray_head(work_dir) as head:
-            with jobs_server(head.gcs_address, work_dir) as server:
-                phases = [
-                    asyncio.run(our_chains(server.url, args.chains, in_flight))
-                    for in_flight in args.in_flight
-                ]
-            add_archive_breakdown(work_dir / "jobs-server-state" / "jobs.db", phases)
-            for links in phases:
-                logger.info(
-                    "ours, %d at a time: command p50 %s",
-                    links.in_flight,
-                    fmt(percentile(links.command_s, 50)),
-                )
-            rays = asyncio.run(ray_chains(head.dashboard_url, args.ray_chains))
-    finally:
-        for pid, cmdline in kill_survivors(str(work_dir)):
-            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
-        if args.keep_logs:
-            logger.info("logs kept in %s", work_dir)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    report = render(phases, rays, args, started, (load_before, os.getloadavg()))
-    sys.stdout.write(report)
-    if not args.quick:
-        RESULTS_PATH.write_text(report)
-        logger.info("written to %s", RESULTS_PATH)
+    with (
+        benchmark_run("jobs-dependencies-", keep_logs=args.keep_logs) as run,
+        ray_head(run.work_dir) as head,
+    ):
+        with jobs_server(head.gcs_address, run.work_dir) as server:
+            phases = [
+                asyncio.run(our_chains(server.url, args.chains, in_flight))
+                for in_flight in args.in_flight
+            ]
+        add_archive_breakdown(run.work_dir / "jobs-server-state" / "jobs.db", phases)
+        for links in phases:
+            logger.info(
+                "ours, %d at a time: command p50 %s",
+                links.in_flight,
+                fmt(percentile(links.command_s, 50)),
+            )
+        rays = asyncio.run(ray_chains(head.dashboard_url, args.ray_chains))
+    report = render(phases, rays, args, run.started, run.loads())
+    write_report(report, RESULTS_PATH, keep=not args.quick)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The processes under test: a Ray head node with its dashboard, jobs-server on that cluster, and
-worker nodes joined to it (for the jobs that ask for resources only a worker has).
+worker nodes joined to it (for the jobs that ask for resources only a worker has); and a
+benchmark's run around them: its work dir, what outlived it, its report.
 
 Each runs in its own process group (session) and is stopped by that group only, in a `finally`.
 Starting, waiting for and stopping them is the tests' plumbing (`tests.support`); importing this
@@ -10,11 +11,14 @@ children inherit) and disables Ray's token authentication.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -308,3 +312,45 @@ def set_up_benchmark_process() -> None:
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(message)s", datefmt="%H:%M:%S"
     )
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+@dataclass(frozen=True)
+class BenchmarkRun:
+    """A benchmark's run: when it started, the load average then, and its work dir."""
+
+    started: datetime.datetime
+    load_before: tuple[float, float, float]
+    work_dir: Path
+
+    def loads(self) -> tuple[tuple[float, float, float], tuple[float, float, float]]:
+        """The load average (1, 5, 15 min) at the start and now."""
+        return self.load_before, os.getloadavg()
+
+
+@contextlib.contextmanager
+def benchmark_run(prefix: str, *, keep_logs: bool = False) -> Iterator[BenchmarkRun]:
+    """Set up this process (`set_up_benchmark_process`) and a fresh work dir under /tmp for the
+    run's logs and state. On leaving, the run's processes that outlived their process group are
+    killed (each logged), and the work dir is removed unless `keep_logs`."""
+    set_up_benchmark_process()
+    started = datetime.datetime.now().astimezone()
+    load_before = os.getloadavg()
+    work_dir = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield BenchmarkRun(started, load_before, work_dir)
+    finally:
+        for pid, cmdline in kill_survivors(str(work_dir)):
+            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
+        if keep_logs:
+            logger.info("logs kept in %s", work_dir)
+        else:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def write_report(report: str, path: Path, *, keep: bool = True) -> None:
+    """Print the report and, if `keep`, write it to `path` (a quick run keeps the full run's
+    table, which the docs quote)."""
+    sys.stdout.write(report)
+    if keep:
+        path.write_text(report)
+        logger.info("written to %s", path)

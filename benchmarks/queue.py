@@ -22,9 +22,7 @@ import importlib.metadata
 import logging
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -37,14 +35,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import JobsApi, new_session, submit_with_workers
 from benchmarks.processes import (
+    benchmark_run,
     jobs_server,
-    kill_survivors,
     process_tree,
     ray_head,
-    set_up_benchmark_process,
     supervisor_processes,
+    write_report,
 )
-from benchmarks.stats import percentile, summed_rss_bytes
+from benchmarks.stats import percentile_or_nan, summed_rss_bytes
 
 logger = logging.getLogger("benchmarks.queue")
 
@@ -235,8 +233,8 @@ async def burst(
     ours = [statuses.get(job_id) for job_id in ids]
     succeeded = sum(1 for status in ours if status == "SUCCEEDED")
     figures: dict[str, float | str] = {
-        "post_p50": percentile(latencies, 50) if latencies else float("nan"),
-        "post_p99": percentile(latencies, 99) if latencies else float("nan"),
+        "post_p50": percentile_or_nan(latencies, 50),
+        "post_p99": percentile_or_nan(latencies, 99),
         "max_running": sampler.max_running,
         "max_holding": sampler.max_holding,
         "max_commands": sampler.max_commands,
@@ -470,39 +468,27 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    set_up_benchmark_process()
-    started = datetime.datetime.now().astimezone()
-    load_before = os.getloadavg()
-    work_dir = Path(tempfile.mkdtemp(prefix="jobs-queue-", dir="/tmp"))
     capped: dict[str, float | str] = {}
     uncapped: dict[str, float | str] = {}
-    try:
-        with ray_head(work_dir) as head:
-            if args.only in (None, "burst"):
-                burst_dir = work_dir / "burst"
-                burst_dir.mkdir()
-                flags = ["--max-running-jobs", str(args.max_running)]
-                flags += ["--max-queued-jobs", str(args.jobs)]
-                with jobs_server(head.gcs_address, burst_dir, flags) as ours:
-                    capped = asyncio.run(burst(ours.url, ours.pid, head.pid, args))
-                logger.info("burst: %s", capped)
-            if args.only in (None, "sleepers"):
-                sleepers_dir = work_dir / "sleepers"
-                sleepers_dir.mkdir()
-                with jobs_server(head.gcs_address, sleepers_dir) as ours:
-                    uncapped = asyncio.run(sleepers(ours.url, ours.pid, args))
-                logger.info("sleepers: %s", uncapped)
-    finally:
-        for pid, cmdline in kill_survivors(str(work_dir)):
-            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
-        if args.keep_logs:
-            logger.info("logs kept in %s", work_dir)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    report = render(capped, uncapped, args, started, (load_before, os.getloadavg()))
-    RESULTS_PATH.write_text(report)
-    sys.stdout.write(report)
-    logger.info("written to %s", RESULTS_PATH)
+    with (
+        benchmark_run("jobs-queue-", keep_logs=args.keep_logs) as run,
+        ray_head(run.work_dir) as head,
+    ):
+        if args.only in (None, "burst"):
+            burst_dir = run.work_dir / "burst"
+            burst_dir.mkdir()
+            flags = ["--max-running-jobs", str(args.max_running)]
+            flags += ["--max-queued-jobs", str(args.jobs)]
+            with jobs_server(head.gcs_address, burst_dir, flags) as ours:
+                capped = asyncio.run(burst(ours.url, ours.pid, head.pid, args))
+            logger.info("burst: %s", capped)
+        if args.only in (None, "sleepers"):
+            sleepers_dir = run.work_dir / "sleepers"
+            sleepers_dir.mkdir()
+            with jobs_server(head.gcs_address, sleepers_dir) as ours:
+                uncapped = asyncio.run(sleepers(ours.url, ours.pid, args))
+            logger.info("sleepers: %s", uncapped)
+    write_report(render(capped, uncapped, args, run.started, run.loads()), RESULTS_PATH)
 
 
 if __name__ == "__main__":

@@ -19,9 +19,6 @@ import datetime
 import itertools
 import logging
 import os
-import shutil
-import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -30,9 +27,9 @@ from pathlib import Path
 import aiohttp
 
 from benchmarks.client import ApiError, JobsApi, Submitted, new_session
-from benchmarks.processes import kill_survivors, ray_head, set_up_benchmark_process
+from benchmarks.processes import benchmark_run, ray_head, write_report
 from benchmarks.queue import slot_holding_jobs, wait_until_all_ended
-from benchmarks.stats import percentile
+from benchmarks.stats import percentile_or_nan
 from tests.support.postgres import running_postgres
 from tests.support.replicas import Replica, ReplicaGroup
 
@@ -129,8 +126,8 @@ async def burst(replicas: list[Replica], jobs: int, in_flight: int) -> dict[str,
     latencies = [job.latency_s for job in accepted]
     succeeded = sum(1 for job_id in ids if statuses.get(job_id) == "SUCCEEDED")
     figures: dict[str, float | str] = {
-        "post_p50": percentile(latencies, 50) if latencies else float("nan"),
-        "post_p99": percentile(latencies, 99) if latencies else float("nan"),
+        "post_p50": percentile_or_nan(latencies, 50),
+        "post_p99": percentile_or_nan(latencies, 99),
         "completed_per_s": succeeded / (done_s - started_s),
         "accepted_per_s": len(accepted) / (posted_s - started_s),
         "succeeded": succeeded,
@@ -206,33 +203,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    set_up_benchmark_process()
-    started = datetime.datetime.now().astimezone()
-    load_before = os.getloadavg()
-    work_dir = Path(tempfile.mkdtemp(prefix="jobs-replicas-burst-", dir="/tmp"))
-    try:
-        with ray_head(work_dir) as head:
-            single_dir = work_dir / "single"
-            single_dir.mkdir()
-            with servers(head.gcs_address, single_dir, 1, None) as single_servers:
-                single = asyncio.run(burst(single_servers, args.jobs, args.in_flight))
-            logger.info("one server on SQLite: %s", single)
-            spread_dir = work_dir / "replicas"
-            spread_dir.mkdir()
-            with (
-                running_postgres(durable=True) as postgres,
-                servers(head.gcs_address, spread_dir, 2, postgres.create_database()) as replicas,
-            ):
-                spread = asyncio.run(burst(replicas, args.jobs, args.in_flight))
-            logger.info("two replicas on PostgreSQL: %s", spread)
-    finally:
-        for pid, cmdline in kill_survivors(str(work_dir)):
-            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
-        shutil.rmtree(work_dir, ignore_errors=True)
-    report = render(single, spread, args, started, (load_before, os.getloadavg()))
-    RESULTS_PATH.write_text(report)
-    sys.stdout.write(report)
-    logger.info("written to %s", RESULTS_PATH)
+    with benchmark_run("jobs-replicas-burst-") as run, ray_head(run.work_dir) as head:
+        single_dir = run.work_dir / "single"
+        single_dir.mkdir()
+        with servers(head.gcs_address, single_dir, 1, None) as single_servers:
+            single = asyncio.run(burst(single_servers, args.jobs, args.in_flight))
+        logger.info("one server on SQLite: %s", single)
+        spread_dir = run.work_dir / "replicas"
+        spread_dir.mkdir()
+        with (
+            running_postgres(durable=True) as postgres,
+            servers(head.gcs_address, spread_dir, 2, postgres.create_database()) as replicas,
+        ):
+            spread = asyncio.run(burst(replicas, args.jobs, args.in_flight))
+        logger.info("two replicas on PostgreSQL: %s", spread)
+    write_report(render(single, spread, args, run.started, run.loads()), RESULTS_PATH)
 
 
 if __name__ == "__main__":

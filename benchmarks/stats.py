@@ -23,6 +23,11 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lower] + (ordered[upper] - ordered[lower]) * (rank - lower)
 
 
+def percentile_or_nan(values: Sequence[float], q: float) -> float:
+    """The q-th percentile of `values`, or NaN if there are none (a figure not measured)."""
+    return percentile(values, q) if values else float("nan")
+
+
 def machine_pss_bytes(exclude_pid: int | None = None) -> int:
     """Sum of PSS over every process on the machine but `exclude_pid` (default: this process).
 

@@ -38,9 +38,7 @@ import logging
 import multiprocessing
 import os
 import shlex
-import shutil
 import sys
-import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -57,13 +55,13 @@ from benchmarks.client import JobsApi, new_session
 from benchmarks.job_starts import own_cpu_s
 from benchmarks.processes import (
     HTTP_HOST,
+    benchmark_run,
     jobs_server,
-    kill_survivors,
     ray_head,
-    set_up_benchmark_process,
+    write_report,
 )
 from benchmarks.queue import DEFAULT_IN_FLIGHT, DEFAULT_JOBS, DEFAULT_MAX_RUNNING
-from benchmarks.stats import percentile
+from benchmarks.stats import percentile, percentile_or_nan
 
 logger = logging.getLogger("benchmarks.webhooks")
 
@@ -392,9 +390,9 @@ def render(
     without_p99 = percentile(pooled(Variant.WITHOUT, "post_latencies_s"), 99)
     with_p99 = percentile(pooled(Variant.WITH, "post_latencies_s"), 99)
     unsent = pooled(Variant.UNSENT, "post_latencies_s")
-    unsent_p99 = percentile(unsent, 99) if unsent else float("nan")
+    unsent_p99 = percentile_or_nan(unsent, 99)
     deliveries = pooled(Variant.WITH, "delivery_after_end_s")
-    delivery_p99 = percentile(deliveries, 99) if deliveries else float("nan")
+    delivery_p99 = percentile_or_nan(deliveries, 99)
     missing = sum(r.missing for r in runs if r.variant.sends)
     bad = sum(r.bad_signatures for r in runs)
     ratio = with_p99 / without_p99
@@ -489,24 +487,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    set_up_benchmark_process()
-    started = datetime.datetime.now().astimezone()
-    load_before = os.getloadavg()
-    work_dir = Path(tempfile.mkdtemp(prefix="jobs-webhooks-", dir="/tmp"))
-    try:
-        runs = run_all(args, work_dir)
-    finally:
-        for pid, cmdline in kill_survivors(str(work_dir)):
-            logger.warning("process %d outlived its process group (killed): %s", pid, cmdline)
-        if args.keep_logs:
-            logger.info("logs kept in %s", work_dir)
-        else:
-            shutil.rmtree(work_dir, ignore_errors=True)
-    report = render(runs, args, started, (load_before, os.getloadavg()))
-    sys.stdout.write(report)
-    if not args.quick:
-        RESULTS_PATH.write_text(report)
-        logger.info("written to %s", RESULTS_PATH)
+    with benchmark_run("jobs-webhooks-", keep_logs=args.keep_logs) as run:
+        runs = run_all(args, run.work_dir)
+    write_report(render(runs, args, run.started, run.loads()), RESULTS_PATH, keep=not args.quick)
 
 
 if __name__ == "__main__":
