@@ -1,12 +1,15 @@
 """The waits of jobs on others (manager/queue/dependency_waits.py) as plain logic: conditions
 met one by one, a condition that can no longer hold, a deletion, the same end learnt twice,
-the index by job waited for, and the messages."""
+the index by job waited for, the messages, the bound on waiting jobs, and a met job that waits
+for a place in the queue."""
 
 from __future__ import annotations
 
 import pytest
 
+from jobs_server.errors import QueueFullError
 from jobs_server.manager.queue.dependency_waits import (
+    READY_MESSAGE,
     DependencyWaits,
     Outcome,
     needs_wait,
@@ -186,3 +189,54 @@ def test_only_a_job_with_dependencies_not_yet_met_waits() -> None:
     assert needs_wait(waiting)
     assert not needs_wait(waiting.with_changes(dependencies_met_time=1))
     assert not needs_wait(child("d"))
+
+
+def test_waiting_jobs_are_bounded_and_a_refusal_names_the_cause() -> None:
+    waits = DependencyWaits(max_waiting=2)
+    first, second, third = (child(job_id, ("a", S)) for job_id in ("c", "d", "e"))
+    waits.reserve(first)
+    waits.release(first)  # recorded: added now
+    waits.add(first)
+    waits.reserve(second)  # a submit whose row is being written
+    with pytest.raises(QueueFullError) as refused:
+        waits.reserve(third)
+    assert str(refused.value) == (
+        "Too many jobs wait for others to end: tenant 'default' has 2 waiting, and the server"
+        " holds at most 2 of all tenants. Nothing was recorded; try again later."
+    )
+    waits.release(second)  # its row was not written after all
+    waits.reserve(third)
+    # A recovered job (accepted before) is held whatever the bound.
+    waits.add(child("f", ("a", S)))
+    assert len(waits) == 2
+
+
+def test_a_met_job_without_a_place_waits_on_in_order_and_says_so() -> None:
+    waits = DependencyWaits()
+    for job_id in ("c", "d"):
+        waits.add(child(job_id, ("a", S)))
+    resolutions = waits.learn("a", JobStatus.SUCCEEDED)
+    assert {r.outcome for r in resolutions} == {Outcome.MET}
+    for resolution in sorted(resolutions, key=lambda r: r.record.submission_id):
+        waits.park(resolution.record)
+    assert [record.submission_id for record in waits.ready()] == ["c", "d"]
+    assert "c" in waits
+    assert len(waits) == 2
+    assert waits.describe("c") == READY_MESSAGE
+    assert waits.record("c") is not None
+    assert waits.learn("a", JobStatus.SUCCEEDED) == []
+    assert waits.remove("c") is not None
+    assert [record.submission_id for record in waits.ready()] == ["d"]
+    waits.clear()
+    assert waits.ready() == []
+
+
+def test_a_job_whose_conditions_all_held_is_met_at_its_first_read() -> None:
+    """A job recorded met but not yet queued (it waited for a place) when its server stopped:
+    its record lists them all held, and the next server's first read queues it."""
+    waits = DependencyWaits()
+    waits.add(child("c", ("a", S), ("b", S)).with_changes(dependencies_held=("a", "b")))
+    met = waits.learn_statuses("c", {})
+    assert met is not None
+    assert met.outcome is Outcome.MET
+    assert "c" not in waits

@@ -2,13 +2,13 @@
 of 10 -> 1, a failed parent ending its `succeeded` dependents DEPENDENCY_NEVER_SATISFIED (and
 theirs after them) while its `failed` and `ended` dependents run, ids refused as unknown (404
 word for word), a dependency on a job that has already ended, a waiting job that holds no
-running slot but a queued place, a stop of a waiting job, a parent deleted, the `met` field;
-and a chain that survives kill -9 of its server, and one submitted to a follower replica that
-survives its leader's. The waits' logic alone:
-tests/test_dependency_waits.py."""
+running slot nor queued place until it is met, a stop of a waiting job, a parent deleted, the
+`met` field; and a chain that survives kill -9 of its server, and one submitted to a follower
+replica that survives its leader's. The waits' logic alone: tests/test_dependency_waits.py."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from pathlib import Path
@@ -331,26 +331,40 @@ async def test_another_tenants_job_is_refused_as_an_unknown_one(
     assert response.status == 200, await response.text()
 
 
-@pytest.mark.parametrize("server_options", [{"max_running_jobs": 2, "max_queued_jobs": 1}])
-async def test_a_waiting_job_holds_a_queued_place_but_no_running_slot(
+@pytest.mark.parametrize("server_options", [{"max_running_jobs": 1, "max_queued_jobs": 0}])
+async def test_a_waiting_job_holds_no_running_slot_nor_queued_place_until_it_is_met(
     client: Client, tmp_path: Path
 ) -> None:
+    """With no queue at all (--max-queued-jobs 0) a pipeline is still accepted: a waiting job
+    takes its slot or its place only once its dependencies are met, and one met while none is
+    free waits on for it, saying so."""
     go = tmp_path / "go"
+    go2 = tmp_path / "go2"
     await submit(client, submission_id="p", entrypoint=gate(go))
-    await submit(client, submission_id="w", entrypoint="true", depends_on=after("p"))
-    # The second slot is free for another job: the waiting one holds none.
-    await submit(client, submission_id="other", entrypoint=gate(go))
-    await wait_for_status(client, "other", {"RUNNING"})
-    # Its queued place is taken: a further job that would queue, waiting or not, is refused.
-    for body in (
-        {"entrypoint": "true", "submission_id": "over"},
-        {"entrypoint": "true", "submission_id": "over", "depends_on": after("p")},
-    ):
-        refused = await client.post("/api/jobs/", json=body)
-        assert refused.status == 429, await refused.text()
-        assert (await client.get("/api/jobs/over")).status == 404
+    await wait_for_status(client, "p", {"RUNNING"})
+    for job_id in ("w", "x"):
+        await submit(client, submission_id=job_id, entrypoint=gate(go2), depends_on=after("p"))
+    # The one slot is taken and there is no queue: a job that would queue is refused.
+    refused = await client.post("/api/jobs/", json={"entrypoint": "true", "submission_id": "over"})
+    assert refused.status == 429, await refused.text()
+    assert (await client.get("/api/jobs/over")).status == 404
     go.touch()
-    assert (await wait_for_status(client, "w"))["status"] == "SUCCEEDED"
+    # Both met: one takes the freed slot, the other waits for one.
+    await wait_for_status(client, "p", {"SUCCEEDED"})
+    deadline = time.monotonic() + 30
+    while True:
+        jobs = {job_id: await details(client, job_id) for job_id in ("w", "x")}
+        statuses = sorted(job["status"] for job in jobs.values())
+        if statuses == ["PENDING", "RUNNING"] or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.05)
+    assert statuses == ["PENDING", "RUNNING"], jobs
+    (parked,) = [job for job in jobs.values() if job["status"] == "PENDING"]
+    assert parked["message"].startswith("Its dependencies are met; waiting for a place"), parked
+    assert parked["depends_on"] == [{"submission_id": "p", "condition": "succeeded", "met": True}]
+    go2.touch()
+    for job_id in ("w", "x"):
+        assert (await wait_for_status(client, job_id))["status"] == "SUCCEEDED", job_id
 
 
 @pytest.mark.slow

@@ -478,10 +478,11 @@ class JobManager:
         )
         # Its slot or its place in the queue, taken now (no await since the check: of two
         # submits racing for the last place one wins); a 429 here has recorded nothing. A job
-        # that waits for others takes its place in the queue now, and no slot.
+        # that waits for others takes a place among the waiting jobs now, and no slot nor
+        # place in the queue: those once its dependencies are met.
         admission: Admission | None = None
         if spec.depends_on:
-            self._queue.reserve(record)
+            self._waits.reserve(record)
         else:
             admission = self._queue.admit(record)
         # On disk before the answer: an accepted job is never lost. If the server dies before
@@ -491,7 +492,7 @@ class JobManager:
                 await self._archive.insert(record)
         except BaseException as error:
             if admission is None:
-                self._queue.unreserve(record)
+                self._waits.release(record)
             else:
                 self._queue.cancel(record, admission)
             self._dispatcher.fill()
@@ -506,6 +507,7 @@ class JobManager:
         if admission is None:
             # Registered before the statuses of the jobs it waits for are read: an end in
             # between is learnt either way.
+            self._waits.release(record)
             self._dispatcher.wait(record)
             return record
         if admission is Admission.QUEUE:

@@ -147,8 +147,8 @@ class JobQueue:
         self._running_by_tenant: Counter[str] = Counter()
         self._tenants: dict[str, _TenantQueue] = {}
         self._queued: dict[str, _Entry] = {}
-        # Places reserved by submits whose rows are being archived, and by jobs that wait for
-        # others to end (dependency_waits.py) before they enter the queue.
+        # Places reserved by submits whose rows are being archived, and by jobs whose
+        # dependencies were met (dependency_waits.py) until their rows say so.
         self._reserved_by_tenant: Counter[str] = Counter()
         self._arrivals = 0
         # When each tenant was last handed a job from the queue (a turn counter).
@@ -216,6 +216,14 @@ class JobQueue:
     def admit(self, record: JobRecord) -> Admission:
         """Start, queue or refuse (QueueFullError) the new run `record`, and reserve its slot
         or its place; undo with `cancel` if it is not archived after all."""
+        admission = self.try_admit(record)
+        if admission is None:
+            raise self._refusal(record.tenant)
+        return admission
+
+    def try_admit(self, record: JobRecord) -> Admission | None:
+        """`admit`, but None (nothing reserved) where it would refuse: a job whose
+        dependencies were just met, which waits on until there is room."""
         tenant = record.tenant
         # Queued jobs that could take a free slot go first (their dispatch is on its way).
         if (
@@ -225,27 +233,27 @@ class JobQueue:
         ):
             self.hold(record)
             return Admission.START
-        self._check_room(tenant)
+        if not self._has_room(tenant):
+            return None
         self._reserved_by_tenant[tenant] += 1
         return Admission.QUEUE
-
-    def reserve(self, record: JobRecord, *, checked: bool = True) -> None:
-        """Reserve a place in the queue for a job that waits for others before it enters it
-        (`enqueue` once they ended as it needs, `unreserve` if it never will); QueueFullError
-        if there is none (unless not `checked`: recovery's, of a job accepted before)."""
-        if checked:
-            self._check_room(record.tenant)
-        self._reserved_by_tenant[record.tenant] += 1
 
     def unreserve(self, record: JobRecord) -> None:
         """Give back a place reserved for a run that will not enter the queue."""
         if self._reserved_by_tenant[record.tenant] > 0:
             self._reserved_by_tenant[record.tenant] -= 1
 
-    def _check_room(self, tenant: str) -> None:
+    def _has_room(self, tenant: str) -> bool:
+        if self._max_queued is not None and self._queued_places() >= self._max_queued:
+            return False
+        cap = self._tenant_limits(tenant).max_queued
+        return cap is None or self._tenant_places(tenant) < cap
+
+    def _refusal(self, tenant: str) -> QueueFullError:
+        """Why the queue has no room for a job of `tenant`."""
         if self._max_queued is not None and self._queued_places() >= self._max_queued:
             # The submitter's own tenant's numbers: the others' are not its to know.
-            raise QueueFullError(
+            return QueueFullError(
                 f"The queue is full: tenant {tenant!r} has {self._tenant_places(tenant)} jobs"
                 f" queued of at most {self._max_queued} (the server's --max-queued-jobs, for all"
                 f" tenants), {self._running_by_tenant[tenant]} running. Nothing was recorded;"
@@ -253,13 +261,12 @@ class JobQueue:
                 retry_after_s=self.retry_after_s(None),
             )
         cap = self._tenant_limits(tenant).max_queued
-        if cap is not None and self._tenant_places(tenant) >= cap:
-            raise QueueFullError(
-                f"The queue of tenant {tenant!r} is full: {self._tenant_places(tenant)} jobs"
-                f" queued of at most {cap} (its max_queued). Nothing was recorded; try again"
-                " later.",
-                retry_after_s=self.retry_after_s(tenant),
-            )
+        return QueueFullError(
+            f"The queue of tenant {tenant!r} is full: {self._tenant_places(tenant)} jobs"
+            f" queued of at most {cap} (its max_queued). Nothing was recorded; try again"
+            " later.",
+            retry_after_s=self.retry_after_s(tenant),
+        )
 
     def enqueue(self, record: JobRecord) -> None:
         """Queue an admitted run (its place was reserved by `admit`), now that it is archived."""

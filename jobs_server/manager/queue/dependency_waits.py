@@ -6,6 +6,11 @@ longer hold (the job ended otherwise, or was deleted before it held) it never wi
 job ends FAILED (`DEPENDENCY_NEVER_SATISFIED`). An index from each job waited for to the jobs
 that wait for it makes an end cost only its own dependents.
 
+A waiting job holds no running slot and no place in the queue: it takes one (or a slot) only
+when its conditions all hold, as a job submitted then would. If there is none then, it stays
+here, *ready*, until one frees (the dispatcher admits the ready ones in the order they were
+met). The waiting jobs are bounded (`MAX_WAITING_JOBS`): past it a submit is refused, 429.
+
 `learn` may be told the same end twice (an event, and a read of the statuses made after the
 registration): a condition that held stays held (a terminal status is final), and a job is
 resolved once, when it leaves the waits.
@@ -13,10 +18,12 @@ resolved once, when it leaves the waits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
+from jobs_server.errors import QueueFullError
 from jobs_server.manager.records import (
     DependencyCondition,
     JobDependency,
@@ -28,6 +35,15 @@ from jobs_server.manager.records import (
 # A waiting job's message names at most this many of the jobs it waits for (ids are bounded
 # too, so the message is).
 NAMED_IN_MESSAGE = 5
+
+# The most jobs waiting (or ready) at once, of all tenants: each is held in memory by the leader.
+MAX_WAITING_JOBS = 10_000
+# Retry-After of a submit refused because too many jobs wait: they wait for other jobs' ends.
+WAITING_RETRY_AFTER_S = 10
+# A ready job's message: its conditions hold, but the queue had no place for it.
+READY_MESSAGE = (
+    "Its dependencies are met; waiting for a place in the queue (it is full) or a free slot"
+)
 
 _WANTED = {
     DependencyCondition.SUCCEEDED: "to succeed",
@@ -111,8 +127,13 @@ def met_by_record(record: JobRecord) -> dict[str, bool]:
 class DependencyWaits:
     """The waiting jobs, and by each job waited for, the jobs waiting for it."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_waiting: int = MAX_WAITING_JOBS) -> None:
+        self._max_waiting = max_waiting
         self._waits: dict[str, _Wait] = {}
+        self._ready: dict[str, JobRecord] = {}
+        """Met, waiting for a place in the queue: in the order they were met."""
+        self._reserved: Counter[str] = Counter()
+        """By tenant, places taken by submits whose rows are being written."""
         self._dependents: dict[str, set[str]] = {}
         """Pending conditions: by the job waited for, the jobs waiting for it."""
         self._unrecorded: dict[str, set[str]] = {}
@@ -121,10 +142,38 @@ class DependencyWaits:
         deletion visits only its own dependents."""
 
     def __contains__(self, submission_id: object) -> bool:
-        return submission_id in self._waits
+        return submission_id in self._waits or submission_id in self._ready
 
     def __len__(self) -> int:
-        return len(self._waits)
+        return len(self._waits) + len(self._ready)
+
+    def reserve(self, record: JobRecord) -> None:
+        """Take a place among the waiting jobs for a submit (its row not yet written);
+        QueueFullError if there is none. `release` gives it back, before the job is added
+        (or if it is not recorded)."""
+        waiting = len(self) + self._reserved.total()
+        if waiting >= self._max_waiting:
+            tenant = record.tenant
+            of_tenant = self._reserved[tenant] + sum(
+                1 for held in self._records() if held.tenant == tenant
+            )
+            # The submitter's own tenant's number: the others' are not its to know.
+            raise QueueFullError(
+                f"Too many jobs wait for others to end: tenant {tenant!r} has {of_tenant}"
+                f" waiting, and the server holds at most {self._max_waiting} of all tenants."
+                " Nothing was recorded; try again later.",
+                retry_after_s=WAITING_RETRY_AFTER_S,
+            )
+        self._reserved[record.tenant] += 1
+
+    def release(self, record: JobRecord) -> None:
+        """Give back a place `reserve` took for a submit (recorded: it is added now)."""
+        if self._reserved[record.tenant] > 0:
+            self._reserved[record.tenant] -= 1
+
+    def _records(self) -> Iterable[JobRecord]:
+        yield from (wait.record for wait in self._waits.values())
+        yield from self._ready.values()
 
     def waiting_ids(self) -> list[str]:
         return list(self._waits)
@@ -153,6 +202,11 @@ class DependencyWaits:
     def remove(self, submission_id: str, run_id: str | None = None) -> JobRecord | None:
         """Take a waiting job out (the run `run_id`, if given): its record, None if it is not
         waiting."""
+        ready = self._ready.get(submission_id)
+        if ready is not None:
+            if run_id is not None and ready.run_id != run_id:
+                return None
+            return self._ready.pop(submission_id)
         wait = self._waits.get(submission_id)
         if wait is None or (run_id is not None and wait.record.run_id != run_id):
             return None
@@ -163,8 +217,22 @@ class DependencyWaits:
             _unindex(self._unrecorded, dependency.submission_id, submission_id)
         return wait.record
 
+    def park(self, record: JobRecord) -> None:
+        """Hold a job whose conditions all hold (a resolution MET, out of the waits) until
+        the queue has a place for it: after those parked before it."""
+        self._ready[record.submission_id] = record
+
+    def has_ready(self) -> bool:
+        return bool(self._ready)
+
+    def ready(self) -> list[JobRecord]:
+        """The parked jobs, in the order they were met."""
+        return list(self._ready.values())
+
     def clear(self) -> None:
         self._waits.clear()
+        self._ready.clear()
+        self._reserved.clear()
         self._dependents.clear()
         self._unrecorded.clear()
 
@@ -182,6 +250,11 @@ class DependencyWaits:
     ) -> Resolution | None:
         """What the statuses now (read after the job was added) of the jobs it waits for
         decide of the waiting job `submission_id`; None: it waits on (or waits no longer)."""
+        wait = self._waits.get(submission_id)
+        if wait is not None and not wait.pending:
+            # Every condition recorded held (it was ready when its server stopped).
+            self.remove(submission_id)
+            return Resolution(wait.record, Outcome.MET)
         for parent, status in statuses.items():
             resolution = self._learn_for(submission_id, parent, status)
             if resolution is not None:
@@ -227,10 +300,12 @@ class DependencyWaits:
 
     def record(self, submission_id: str) -> JobRecord | None:
         wait = self._waits.get(submission_id)
-        return None if wait is None else wait.record
+        return self._ready.get(submission_id) if wait is None else wait.record
 
     def describe(self, submission_id: str) -> str | None:
-        """A waiting job's message now: what it still waits for."""
+        """A waiting job's message now: what it still waits for (a ready one: a place)."""
+        if submission_id in self._ready:
+            return READY_MESSAGE
         wait = self._waits.get(submission_id)
         if wait is None:
             return None

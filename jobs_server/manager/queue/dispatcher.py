@@ -14,14 +14,17 @@ A stop of a queued job takes it out of the queue and archives it STOPPED: its co
 runs. A stop that meets the job while it is being handed over calls the hand-over off before the
 supervisor is asked to run it (or, if that was already asked, lets the usual stop do its work).
 
-A job that depends on others (`depends_on`) waits before the queue (dependency_waits.py), its
-place in the queue reserved: it is registered in the waits first, then the statuses of the jobs
-it waits for are read (so an end between the two is learnt either way), and each end or
-deletion after that comes from the archive's events (`dependency_ended`). Once every condition
-holds, its `dependencies_met_time` is archived and it enters the queue; once one can no longer
-hold, it is archived FAILED (DEPENDENCY_NEVER_SATISFIED) as a stopped queued job is, and its own
-end event decides its dependents in turn. A write that fails puts it back in the waits, and its
-statuses are read again after a pause.
+A job that depends on others (`depends_on`) waits before the queue (dependency_waits.py),
+holding no slot and no place in the queue: it is registered in the waits first, then the
+statuses of the jobs it waits for are read (so an end between the two is learnt either way), and
+each end or deletion after that comes from the archive's events (`dependency_ended`). Once every
+condition holds it is admitted as a job submitted then would be (a free slot, else a place in
+the queue), its `dependencies_met_time` archived; if there is neither, it is archived *ready*
+(every condition recorded held, its message saying what it waits for) and stays in the waits
+until a slot or a place frees (`fill`), the ready ones in the order they were met. Once one
+condition can no longer hold, it is archived FAILED (DEPENDENCY_NEVER_SATISFIED) as a stopped
+queued job is, and its own end event decides its dependents in turn. A write that fails puts it
+back in the waits, and its statuses are read again after a pause.
 """
 
 from __future__ import annotations
@@ -50,8 +53,13 @@ from jobs_server.manager.live.history import JobHistory
 from jobs_server.manager.live.store import JobStore
 from jobs_server.manager.live.watcher import JobWatchers
 from jobs_server.manager.logs import set_aside_orphaned_log
-from jobs_server.manager.queue.admission import JobQueue
-from jobs_server.manager.queue.dependency_waits import DependencyWaits, Outcome, Resolution
+from jobs_server.manager.queue.admission import Admission, JobQueue
+from jobs_server.manager.queue.dependency_waits import (
+    READY_MESSAGE,
+    DependencyWaits,
+    Outcome,
+    Resolution,
+)
 from jobs_server.manager.records import JobErrorType, JobRecord, JobStatus, now_ms
 from jobs_server.manager.supervisor.job_run import NEVER_STARTED_MESSAGE
 from jobs_server.manager.supervisors import Supervisors, is_dedicated
@@ -164,19 +172,32 @@ class Dispatcher:
             return
         while (record := self._queue.next_to_dispatch()) is not None:
             self._begin_hand_over(record, LaunchFailure.FAIL)
+        self._admit_ready()
 
     # -- jobs waiting for others -----------------------------------------------------------
 
     def wait(self, record: JobRecord) -> None:
-        """Hold a recorded job that waits for others (its place in the queue reserved), and
+        """Hold a recorded job that waits for others (no slot, no place in the queue), and
         decide at once what the statuses of those already tell."""
         self._waits.add(record)
         self._spawn(self._settle(record), record)
 
     def wait_recovered(self, record: JobRecord) -> None:
-        """Recovery's: a job accepted by an earlier server that still waits."""
-        self._queue.reserve(record, checked=False)
+        """Recovery's: a job accepted by an earlier server that still waits (or was met and
+        waited for a place: its record lists every condition held)."""
         self.wait(record)
+
+    def _admit_ready(self) -> None:
+        """Admit the ready jobs (met, waiting for room) that now have a slot or a place, in
+        the order they were met (no await: each takes its room here, at once)."""
+        if not self._started or self._closed:
+            return
+        for record in self._waits.ready():
+            admission = self._queue.try_admit(record)
+            if admission is None:
+                continue  # its tenant's caps; another tenant's may have room
+            self._waits.remove(record.submission_id)
+            self._spawn(self._settle(record, Resolution(record, Outcome.MET), admission), record)
 
     def dependency_ended(self, submission_id: str, status: JobStatus | None) -> None:
         """The job `submission_id` ended `status` (None: it was deleted): decide the jobs that
@@ -204,9 +225,15 @@ class Dispatcher:
         self._dependency_tasks.add(task)
         task.add_done_callback(self._dependency_tasks.discard)
 
-    async def _settle(self, record: JobRecord, resolution: Resolution | None = None) -> None:
-        """Carry `resolution` out, or (None) read the statuses of what `record` waits for and
-        carry out what they decide; on a failure, wait and read them again."""
+    async def _settle(
+        self,
+        record: JobRecord,
+        resolution: Resolution | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        """Carry `resolution` out (a met one with its room taken already: `admission`), or
+        (None) read the statuses of what `record` waits for and carry out what they decide; on
+        a failure, wait and read them again."""
         delay_s = DEPENDENCY_RETRY_INITIAL_S
         while True:
             try:
@@ -215,7 +242,7 @@ class Dispatcher:
                     resolution = self._waits.learn_statuses(record.submission_id, statuses)
                     if resolution is None:
                         return  # it waits on (or was decided or stopped meanwhile)
-                await self._resolve(resolution)
+                await self._resolve(resolution, admission)
                 return
             except LeaderUnavailableError:
                 return  # no longer the leader: the new one's recovery decides the job
@@ -227,27 +254,37 @@ class Dispatcher:
                     delay_s,
                     exc_info=not is_database_unavailable(error),
                 )
-            resolution = None  # `_resolve` put it back in the waits
+            resolution, admission = None, None  # `_resolve` put it back in the waits
             await asyncio.sleep(delay_s)
             delay_s = min(2 * delay_s, DEPENDENCY_RETRY_MAX_S)
             if record.submission_id not in self._waits:
                 return  # stopped meanwhile
 
-    async def _resolve(self, resolution: Resolution) -> None:
-        """Archive what was decided of a waiting job (taken out of the waits): it enters the
-        queue, or ends FAILED."""
+    async def _resolve(self, resolution: Resolution, admission: Admission | None = None) -> None:
+        """Archive what was decided of a waiting job (taken out of the waits): it is handed
+        over or enters the queue (with `admission`, its room taken already), is ready (no
+        room), or ends FAILED."""
         record = resolution.record
         done = self._resolving[record.submission_id] = asyncio.Event()
         try:
             await self._confirm_lead()
             if resolution.outcome is Outcome.MET:
+                if admission is None:
+                    admission = self._admit_met(record)
+                if admission is None:
+                    await self._make_ready(record)
+                    return
                 met = record.with_changes(dependencies_met_time=now_ms(), message=PENDING_MESSAGE)
                 stored = await self._archive.update(met)
                 if stored is None or stored.status.is_terminal():
-                    self._queue.unreserve(record)  # it ended otherwise meanwhile
+                    self._queue.cancel(record, admission)  # it ended otherwise meanwhile
+                    self.fill()
                     return
-                self._queue.enqueue(met)
-                self.fill()
+                if admission is Admission.START:
+                    self._begin_hand_over(met, LaunchFailure.FAIL)
+                else:
+                    self._queue.enqueue(met)
+                    self.fill()
                 return
             logger.info("job %s fails: %s", record.submission_id, resolution.reason)
             await self._archive_stop_of_queued(
@@ -258,14 +295,44 @@ class Dispatcher:
                     message=resolution.reason,
                 )
             )
-            self._queue.unreserve(record)
         except BaseException:
-            # Still waiting, as its row says (before a stop that waits for this goes on).
+            # Still waiting, as its row says (before a stop that waits for this goes on); its
+            # room is given back.
+            if admission is not None:
+                self._queue.cancel(record, admission)
+                self.fill()
             self._waits.add(record)
             raise
         finally:
             del self._resolving[record.submission_id]
             done.set()
+
+    def _admit_met(self, record: JobRecord) -> Admission | None:
+        """A slot or a place in the queue for a job just met, as for a submit now; None while
+        ready jobs met before it wait for room (it goes after them), before the dispatcher
+        starts (recovery has not counted the slots yet), or if there is none."""
+        if not self._started or self._closed or self._waits.has_ready():
+            return None
+        return self._queue.try_admit(record)
+
+    async def _make_ready(self, record: JobRecord) -> None:
+        """A met job without room waits on, ready: archived with every condition held (a
+        recovery then admits it at once, even if one was deleted since) and a message that
+        says why, before the dispatcher starts as it was."""
+        if not self._started:
+            self._waits.park(record)  # `start` admits it
+            return
+        ready = record.with_changes(
+            dependencies_held=tuple(
+                dependency.submission_id for dependency in record.spec.depends_on
+            ),
+            message=READY_MESSAGE,
+        )
+        stored = await self._archive.update(ready)
+        if stored is None or stored.status.is_terminal():
+            return  # it ended otherwise meanwhile
+        self._waits.park(ready)
+        self._admit_ready()
 
     async def hand_over_now(self, record: JobRecord) -> HandOver:
         """Hand over a job just submitted and admitted (its slot taken, its row archived);
@@ -425,7 +492,6 @@ class Dispatcher:
             except BaseException:
                 self.wait(waiting)  # still waiting, as its row says
                 raise
-            self._queue.unreserve(waiting)
             return True
         withdrawn = self._queue.withdraw(record.submission_id, record.run_id)
         if withdrawn is not None:
@@ -437,6 +503,7 @@ class Dispatcher:
             except BaseException:
                 self._queue.requeue(withdrawn)  # still queued, as its row says
                 raise
+            self._admit_ready()  # its place is free
             return True
         task = self._handing_over.get(record.submission_id)
         if task is None:
