@@ -764,6 +764,37 @@ def webhook_settings(settings: Settings, **changes: Any) -> Settings:
     )
 
 
+@dataclass(frozen=True)
+class SecretFile:
+    """A fresh webhook secret and the `--webhook-secret-file` that holds it."""
+
+    secret: str
+    path: Path
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> SecretFile:
+    secret = new_secret()
+    path = tmp_path / "secret"
+    path.write_text(f"{secret}\n")
+    return SecretFile(secret, path)
+
+
+@pytest.fixture
+async def secret_file_app(
+    aiohttp_client: Callable[..., Awaitable[Client]], settings: Settings, secret_file: SecretFile
+) -> Callable[..., Awaitable[Client]]:
+    """Starts the app in process, signing with `secret_file`, loopback targets allowed, and the
+    settings changed as given."""
+
+    async def start(**changes: Any) -> Client:
+        return await aiohttp_client(
+            create_app(webhook_settings(settings, webhook_secret_file=secret_file.path, **changes))
+        )
+
+    return start
+
+
 async def deliveries(client: Client, job_id: str, headers: dict[str, str]) -> list[dict[str, Any]]:
     response = await client.get(f"/api/jobs/{job_id}/deliveries", headers=headers)
     assert response.status == 200, await response.text()
@@ -825,17 +856,12 @@ async def test_a_jobs_notify_and_its_tenants_endpoint_get_its_start_and_end_sign
 
 
 async def test_a_job_too_short_to_be_archived_running_still_sends_its_start(
-    aiohttp_client: Callable[..., Awaitable[Client]],
-    settings: Settings,
-    tmp_path: Path,
+    secret_file: SecretFile,
+    secret_file_app: Callable[..., Awaitable[Client]],
     receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
-    secret = new_secret()
-    receiver = await receivers([secret])
-    (tmp_path / "secret").write_text(f"{secret}\n")
-    client = await aiohttp_client(
-        create_app(webhook_settings(settings, webhook_secret_file=tmp_path / "secret"))
-    )
+    receiver = await receivers([secret_file.secret])
+    client = await secret_file_app()
     job_id = await submit_with_notify(client, [receiver.url])
     await wait_for_status(client, job_id)
     await eventually(lambda: (job_id, "job.succeeded") in receiver.events(), "the end's delivery")
@@ -858,18 +884,13 @@ async def wait_for_status_with(
 
 
 async def test_a_500_then_200_is_sent_again_under_its_id_and_a_410_disables_the_endpoint(
-    aiohttp_client: Callable[..., Awaitable[Client]],
-    settings: Settings,
-    tmp_path: Path,
+    secret_file: SecretFile,
+    secret_file_app: Callable[..., Awaitable[Client]],
     receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
-    secret = new_secret()
-    flaky = await receivers([secret], answers=[500])
-    gone = await receivers([secret], default_status=410)
-    (tmp_path / "secret").write_text(f"{secret}\n")
-    client = await aiohttp_client(
-        create_app(webhook_settings(settings, webhook_secret_file=tmp_path / "secret"))
-    )
+    flaky = await receivers([secret_file.secret], answers=[500])
+    gone = await receivers([secret_file.secret], default_status=410)
+    client = await secret_file_app()
     first = await submit_with_notify(client, [flaky.url, gone.url], events=["job.succeeded"])
     await wait_for_status(client, first)
     by_url: dict[str, dict[str, Any]] = {}
@@ -908,24 +929,12 @@ async def submit_with_notify(
 
 
 async def test_a_receiver_that_hangs_never_holds_the_api(
-    aiohttp_client: Callable[..., Awaitable[Client]],
-    settings: Settings,
-    tmp_path: Path,
+    secret_file: SecretFile,
+    secret_file_app: Callable[..., Awaitable[Client]],
     receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
-    secret = new_secret()
-    hanging = await receivers([secret], hang=True)
-    (tmp_path / "secret").write_text(f"{secret}\n")
-    client = await aiohttp_client(
-        create_app(
-            webhook_settings(
-                settings,
-                webhook_secret_file=tmp_path / "secret",
-                webhook_max_in_flight=2,
-                webhook_timeout_s=120.0,
-            )
-        )
-    )
+    hanging = await receivers([secret_file.secret], hang=True)
+    client = await secret_file_app(webhook_max_in_flight=2, webhook_timeout_s=120.0)
     for job_id in [await submit_with_notify(client, [hanging.url]) for _ in range(2)]:
         await wait_for_status(client, job_id)
     await eventually(lambda: hanging.hanging == 2, "the receiver holding both slots")
@@ -978,16 +987,17 @@ class ServerProcess:
 
 @pytest.mark.slow
 async def test_every_delivery_arrives_after_the_receiver_and_two_server_kills(
-    ray_connection: str, tmp_path: Path, receivers: Callable[..., Awaitable[Receiver]]
+    ray_connection: str,
+    tmp_path: Path,
+    secret_file: SecretFile,
+    receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
-    secret = new_secret()
-    (tmp_path / "secret").write_text(f"{secret}\n")
     namespace = f"test_webhooks_{uuid.uuid4().hex[:8]}"
     server = ServerProcess(
         [
             *("--ray-address", ray_connection, "--namespace", namespace),
             *("--state-dir", str(tmp_path / "state"), "--log-dir", str(tmp_path / "logs")),
-            *("--webhook-secret-file", str(tmp_path / "secret")),
+            *("--webhook-secret-file", str(secret_file.path)),
             "--webhook-allow-http",
             "--webhook-allow-private",
             *("--webhook-timeout-s", "2", "--webhook-retry-max-s", "300"),
@@ -995,8 +1005,8 @@ async def test_every_delivery_arrives_after_the_receiver_and_two_server_kills(
         ],
         tmp_path / "server.log",
     )
-    receiver = await receivers([secret])
-    gone = await receivers([secret], default_status=410)
+    receiver = await receivers([secret_file.secret])
+    gone = await receivers([secret_file.secret], default_status=410)
     jobs: list[str] = []
     try:
         await server.start()
@@ -1075,14 +1085,13 @@ async def test_replicas_share_the_outbox_and_a_dead_ones_deliveries_are_sent_by_
     ray_connection: str,
     postgres_url: str,
     tmp_path: Path,
+    secret_file: SecretFile,
     receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
     """Two replicas on one PostgreSQL database, each with a sender: the deliveries written while
     the receiver is away are all sent once it is back, though the leader that wrote them was
     killed meanwhile; none twice (a claim keeps the senders apart), none badly signed."""
-    secret = new_secret()
-    (tmp_path / "secret").write_text(f"{secret}\n")
-    receiver = await receivers([secret])
+    receiver = await receivers([secret_file.secret])
     await receiver.stop()  # away from the start: every delivery waits in the outbox
     group = ReplicaGroup(
         tmp_path,
@@ -1090,7 +1099,7 @@ async def test_replicas_share_the_outbox_and_a_dead_ones_deliveries_are_sent_by_
         postgres_url,
         2,
         extra_args=[
-            *("--webhook-secret-file", str(tmp_path / "secret")),
+            *("--webhook-secret-file", str(secret_file.path)),
             "--webhook-allow-http",
             "--webhook-allow-private",
             *("--webhook-timeout-s", "2", "--webhook-retry-max-s", "300"),
