@@ -28,9 +28,11 @@ from aiohttp.test_utils import TestServer
 from pydantic import SecretStr
 
 from jobs_server.app import create_app
+from jobs_server.app_state import OUTBOX_KEY
 from jobs_server.client.follow import exit_code_of
 from jobs_server.client.output import format_bytes, format_cpu_seconds
 from jobs_server.client.sse import Event, parse_events, read_events
+from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.settings import Settings
 from tests.support.accounting import GIBIBYTE, MEBIBYTE, finish_measured, measured_attempt
 from tests.support.cli import CLIENT, run_cli, start_cli
@@ -751,3 +753,73 @@ async def test_status_on_a_server_without_deliveries_shows_the_job(
     assert (code, stderr) == (0, "")
     assert b"dependency.1:  after prep succeeded: met" in stdout
     assert b"delivery." not in stdout
+
+
+# Webhook endpoints a 410 disabled: `jobs-server webhooks disabled|enable`.
+
+
+@pytest.fixture
+async def outbox_server(
+    aiohttp_server: AiohttpServer, fake_settings: Settings, fake: FakeJobManager, tmp_path: Path
+) -> AsyncIterator[tuple[TestServer, Archive]]:
+    """The fake manager's server (no keys: an admin of `default`) on a real SQLite outbox."""
+    archive = Archive(archive_path(tmp_path / "outbox"))
+    await archive.open()
+    app = create_app(fake_settings, backend=fake.backend())
+    app[OUTBOX_KEY] = archive
+    yield await aiohttp_server(app), archive
+    await archive.close()
+
+
+async def test_webhooks_disabled_lists_and_enable_enables(
+    outbox_server: tuple[TestServer, Archive],
+) -> None:
+    server, archive = outbox_server
+    url = url_of(server)
+    code, stdout, stderr = await run_cli("webhooks", "disabled", "--url", url)
+    assert (code, stdout.decode().split(), stderr) == (0, ["TENANT", "DISABLED", "URL"], "")
+    await archive.disable_webhook_endpoint("default", "https://a.example/in", 1_700_000_000_000)
+    await archive.disable_webhook_endpoint("team-b", "https://b.example/in", 1_700_000_001_000)
+    code, stdout, _ = await run_cli("webhooks", "disabled", "--url", url)
+    lines = stdout.decode().splitlines()
+    assert code == 0
+    assert [(line.split()[0], line.split()[-1]) for line in lines[1:]] == [
+        ("default", "https://a.example/in"),
+        ("team-b", "https://b.example/in"),
+    ]
+    code, stdout, _ = await run_cli(
+        "webhooks", "disabled", "--tenant", "team-b", "--json", "--url", url
+    )
+    assert json.loads(stdout) == {
+        "endpoints": [
+            {"url": "https://b.example/in", "tenant": "team-b", "disabled_at": 1_700_000_001_000}
+        ]
+    }
+
+    code, stdout, stderr = await run_cli("webhooks", "enable", "https://a.example/in", "--url", url)
+    assert (code, stdout, stderr) == (0, b"enabled https://a.example/in for tenant default\n", "")
+    code, stdout, stderr = await run_cli(
+        "webhooks", "enable", "https://b.example/in", "--tenant", "team-b", "--url", url
+    )
+    assert (code, stdout, stderr) == (0, b"enabled https://b.example/in for tenant team-b\n", "")
+    assert await archive.disabled_webhook_endpoints() == []
+    code, _, stderr = await run_cli("webhooks", "enable", "https://a.example/in", "--url", url)
+    assert code == 1
+    assert stderr == (
+        "jobs-server: The webhook endpoint https://a.example/in is not disabled for tenant"
+        " default. (HTTP 404, webhook_endpoint_not_found)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["webhooks"], "disabled,enable"),
+        (["webhooks", "enable"], "URL"),
+        (["webhooks", "enable", "a.example/in"], "expected an https:// URL"),
+    ],
+)
+async def test_webhooks_usage_errors_exit_2_saying_why(args: list[str], says: str) -> None:
+    code, _, stderr = await run_cli(*args)
+    assert code == 2
+    assert says in stderr

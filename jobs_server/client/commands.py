@@ -22,7 +22,7 @@ from jobs_server.client.http import (
     UsageError,
 )
 from jobs_server.client.interrupt import watch_until_done
-from jobs_server.client.output import print_job, print_job_table, print_json
+from jobs_server.client.output import format_time, print_job, print_job_table, print_json
 
 Handler = Callable[[JobsClient, argparse.Namespace], Awaitable[int]]
 USAGE_EXIT_CODE = 2
@@ -30,7 +30,7 @@ INTERRUPTED_EXIT_CODE = 130
 
 
 def add_client_commands(commands: Any) -> None:
-    """Add submit, logs, list, status, stop and delete to the CLI's subparsers."""
+    """Add submit, logs, list, status, stop, delete and webhooks to the CLI's subparsers."""
     server = argparse.ArgumentParser(add_help=False)
     options = server.add_argument_group("server")
     options.add_argument(
@@ -174,6 +174,34 @@ def add_client_commands(commands: Any) -> None:
     delete.add_argument("job_id", metavar="ID")
     delete.set_defaults(client_command=run_delete)
 
+    webhooks = commands.add_parser(
+        "webhooks",
+        help="webhook endpoints a 410 Gone disabled: list them, enable one again",
+        description="An endpoint that answered 410 Gone is disabled for its tenant: no delivery"
+        " is written for it until it is enabled again.",
+    )
+    endpoints = webhooks.add_subparsers(
+        dest="webhooks_command", metavar="{disabled,enable}", required=True
+    )
+    disabled = endpoints.add_parser(
+        "disabled",
+        parents=[server],
+        help="list the disabled endpoints (your tenant's; an admin key: every tenant's)",
+    )
+    disabled.add_argument("--tenant", help="only this tenant's (an admin key's option)")
+    disabled.add_argument("--json", action="store_true", help="the server's JSON")
+    disabled.set_defaults(client_command=run_webhooks_disabled)
+    enable = endpoints.add_parser(
+        "enable",
+        parents=[server],
+        help="enable a disabled endpoint: deliveries are written again from the next event on",
+        description="Enable URL for your tenant (an admin key: for --tenant). Deliveries are"
+        " written for it again from the next event on; those that ended disabled stay ended.",
+    )
+    enable.add_argument("endpoint_url", type=_webhook_url, metavar="URL")
+    enable.add_argument("--tenant", help="the endpoint's tenant (an admin key's option)")
+    enable.set_defaults(client_command=run_webhooks_enable)
+
 
 def run_client_command(args: argparse.Namespace) -> int:
     """Run the parsed client command; its exit code (1 for an error, said on stderr)."""
@@ -284,6 +312,28 @@ async def run_stop(client: JobsClient, args: argparse.Namespace) -> int:
 async def run_delete(client: JobsClient, args: argparse.Namespace) -> int:
     await client.delete_job(args.job_id)
     print(f"deleted {args.job_id}")
+    return 0
+
+
+async def run_webhooks_disabled(client: JobsClient, args: argparse.Namespace) -> int:
+    endpoints = await client.list_disabled_webhooks(tenant=args.tenant)
+    if args.json:
+        print_json({"endpoints": endpoints}, sys.stdout)
+        return 0
+    rows = [("TENANT", "DISABLED", "URL")]
+    rows += [
+        (str(each.get("tenant")), format_time(each.get("disabled_at")), str(each.get("url")))
+        for each in endpoints
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(2)]
+    for tenant, when, url in rows:
+        print(f"{tenant.ljust(widths[0])}  {when.ljust(widths[1])}  {url}")
+    return 0
+
+
+async def run_webhooks_enable(client: JobsClient, args: argparse.Namespace) -> int:
+    enabled = await client.enable_webhook(args.endpoint_url, tenant=args.tenant)
+    print(f"enabled {enabled['url']} for tenant {enabled['tenant']}")
     return 0
 
 

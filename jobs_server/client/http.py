@@ -136,6 +136,20 @@ class JobsClient:
     async def delete_job(self, job_id: str) -> None:
         await self._json("DELETE", job_path(job_id))
 
+    async def list_disabled_webhooks(self, *, tenant: str | None) -> list[dict[str, Any]]:
+        """The webhook endpoints a 410 disabled (the key's tenant's; an admin's: every
+        tenant's, or `tenant`'s)."""
+        params = {} if tenant is None else {"tenant": tenant}
+        answer = await self._json("GET", "/api/webhooks/disabled", params=params)
+        endpoints: list[dict[str, Any]] = answer["endpoints"]
+        return endpoints
+
+    async def enable_webhook(self, url: str, *, tenant: str | None) -> dict[str, Any]:
+        """Enable an endpoint a 410 disabled; the server's answer (its url and tenant)."""
+        body = {"url": url} if tenant is None else {"url": url, "tenant": tenant}
+        answer: dict[str, Any] = await self._json("POST", "/api/webhooks/enable", json=body)
+        return answer
+
     async def write_log(self, job_id: str, out: BinaryIO) -> None:
         """The log's exact bytes as they are now, copied to `out` as they arrive."""
         async with self._request("GET", job_path(job_id, "/logs"), params={"format": "text"}) as (
