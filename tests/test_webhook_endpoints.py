@@ -302,6 +302,7 @@ async def test_an_admin_enables_any_tenants_and_its_own_by_default(server: Serve
         (json.dumps({"url": 5}).encode(), {}, 400, "url: Input should be a valid string"),
         (json.dumps({"url": "x" * 3000}).encode(), {}, 400, "url: String should have at most"),
         (json.dumps({"url": HOOK_A, "events": []}).encode(), {}, 400, "events: unknown field"),
+        (json.dumps({"url": "https://a.example/\u0000"}).encode(), {}, 400, "control characters"),
         (
             json.dumps({"url": HOOK_A, "tenant": "team a!"}).encode(),
             {},

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Literal
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jobs_server.access.tokens import TenantName
 from jobs_server.api_models import JobDeliveriesResponse, WebhookDeliveryDetails
@@ -57,6 +57,14 @@ class EnableWebhookEndpointRequest(BaseModel):
 
     url: WebhookUrl
     tenant: TenantName | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _printable(cls, url: str) -> str:
+        # No endpoint was ever disabled with one (and PostgreSQL's text refuses NUL).
+        if any(ord(character) < 0x20 or ord(character) == 0x7F for character in url):
+            raise ValueError("a URL has no control characters")
+        return url
 
 
 class EnableWebhookEndpointResponse(BaseModel):
