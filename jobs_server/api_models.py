@@ -13,7 +13,11 @@ from jobs_server.manager import JobRecord, JobSpec, JobStatus, RayDriver
 from jobs_server.manager import limits as stored_limits
 from jobs_server.manager.archive.events import JobEvent
 from jobs_server.manager.archive.outbox import DeliveryState, WebhookDelivery
-from jobs_server.manager.queue.dependency_waits import met_by_record
+from jobs_server.manager.queue.dependency_waits import (
+    met_by_record,
+    needs_wait,
+    waiting_message,
+)
 from jobs_server.manager.queue.retries import (
     MAX_EXIT_CODE,
     MAX_RETRIES,
@@ -440,7 +444,8 @@ class JobDetails(BaseModel):
         """The job's details; `driver` is the Ray driver its command started, if it did (by
         default the one written with the job's end); `dependencies_met`: by submission id,
         whether each job it depends on has met its condition now (None: what the record
-        alone tells, the rest not known)."""
+        alone tells, the rest not known); a job still waiting for some of them names those in
+        its message (every replica says the same; the record's was written when it was)."""
         spec = record.spec
         if driver is None:
             driver = record.ray_driver
@@ -474,6 +479,11 @@ class JobDetails(BaseModel):
             for dependency in spec.depends_on
         ]
         options["notify"] = [NotifyTargetDetails.from_target(target) for target in spec.notify]
+        message = record.message
+        if dependencies_met is not None and needs_wait(record):
+            unmet = [d for d in spec.depends_on if dependencies_met.get(d.submission_id) is False]
+            if unmet and record.status is JobStatus.PENDING:
+                message = waiting_message(unmet, len(spec.depends_on))
         last_attempt = record.attempts[-1] if record.attempts else None
         return cls(
             **options,
@@ -481,7 +491,7 @@ class JobDetails(BaseModel):
             job_id=driver.job_id if driver is not None else None,
             driver_info=driver_info,
             status=record.status,
-            message=record.message,
+            message=message,
             error_type=record.error_type,
             start_time=record.start_time,
             end_time=record.end_time,

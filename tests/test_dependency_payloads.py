@@ -1,6 +1,7 @@
 """What a job's details say of its dependencies when only its record is known (a webhook's body,
 an event's details): `met` from the record (all met once it entered the queue, one held before
-a deletion, the one a never-satisfied job names); a received webhook's body end to end."""
+a deletion, the one a never-satisfied job names), and a waiting job's message made current from
+what is known of its dependencies now; a received webhook's body end to end."""
 
 from __future__ import annotations
 
@@ -24,9 +25,7 @@ from jobs_server.manager.records import (
 )
 from jobs_server.settings import Settings
 from tests.support.api import Client, wait_for_status
-from tests.test_webhooks import Receiver, eventually, receivers, webhook_settings
-
-__all__ = ["receivers"]  # the fixture, imported to be found
+from tests.support.webhooks import Receiver, eventually, webhook_settings
 
 S, F = DependencyCondition.SUCCEEDED, DependencyCondition.FAILED
 
@@ -139,3 +138,21 @@ async def test_a_dependents_webhook_body_says_its_dependency_met(
         assert received.payload["data"]["depends_on"] == [
             {"submission_id": "parent", "condition": "succeeded", "met": True}
         ], received.payload["type"]
+
+
+def test_a_waiting_jobs_message_names_what_it_still_waits_for_by_what_is_known_now() -> None:
+    """A follower serves the row, whose message was written at submit: what is known now of
+    the dependencies makes it current (the leader's, from its waits, says the same)."""
+    record = waiting(("a", S), ("b", F))
+    assert record.message == "Waiting for 2 jobs: a to succeed, b to fail or stop"
+    details = JobDetails.from_record(record, dependencies_met={"a": True, "b": False})
+    assert details.message == "Waiting for 1 of 2 jobs: b to fail or stop"
+    # Nothing known, or all met (it enters the queue, or waits for a place): as recorded.
+    assert JobDetails.from_record(record).message == record.message
+    both = JobDetails.from_record(record, dependencies_met={"a": True, "b": True})
+    assert both.message == record.message
+    # Not waiting: its own message.
+    for changes in ({"dependencies_met_time": 1}, {"status": JobStatus.RUNNING}):
+        other = record.with_changes(message="Queued: 1st of 1", **changes)
+        met = JobDetails.from_record(other, dependencies_met={"a": True, "b": False})
+        assert met.message == "Queued: 1st of 1"

@@ -4,7 +4,8 @@ theirs after them) while its `failed` and `ended` dependents run, ids refused as
 word for word), a dependency on a job that has already ended, a waiting job that holds no
 running slot nor queued place until it is met, a stop of a waiting job, a parent deleted, the
 `met` field; and a chain that survives kill -9 of its server, and one submitted to a follower
-replica that survives its leader's. The waits' logic alone: tests/test_dependency_waits.py."""
+replica that survives its leader's, and a waiting job's message as a follower serves it. The
+waits' logic alone: tests/test_dependency_waits.py."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jobs_server.app_state import JOB_MANAGER_KEY
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 from tests.support.queue import gate
-from tests.support.replicas import ReplicaGroup
+from tests.support.replicas import ReplicaGroup, list_jobs
 from tests.support.replicas import get_job as replica_get
 from tests.support.replicas import submit as replica_submit
 from tests.support.replicas import wait_for_status as replica_wait
@@ -457,5 +458,41 @@ def test_a_chain_submitted_to_a_follower_survives_its_leaders_kill(
         c = replica_wait(itertools.repeat(follower), "c")
         assert c["status"] == "SUCCEEDED", c
         assert order.read_text() == "a\nb\nc\n"
+    finally:
+        group.stop()
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+@pytest.mark.replicas
+def test_a_follower_serves_a_waiting_jobs_message_as_it_is_now(
+    tmp_path: Path, ray_connection: str, postgres_url: str
+) -> None:
+    """Only the leader holds the waits; a follower serves the archived row, whose message was
+    written at submit. Once one of two dependencies has held, every replica says so."""
+    go = tmp_path / "go"
+    group = ReplicaGroup(tmp_path, ray_connection, postgres_url, 2)
+    try:
+        group.start()
+        leader = group.leader()
+        (follower,) = [replica for replica in group.replicas if replica is not leader]
+        replica_submit(leader, submission_id="quick", entrypoint="true")
+        replica_submit(leader, submission_id="slow", entrypoint=gate(go))
+        replica_submit(
+            leader, submission_id="c", entrypoint="true", depends_on=after("quick", "slow")
+        )
+        replica_wait(itertools.repeat(follower), "quick")
+        expected = "Waiting for 1 of 2 jobs: slow to succeed"
+        # The leader learns the end from the events: its own message, from its waits.
+        deadline = time.monotonic() + 30
+        while replica_get(leader, "c")["message"] != expected and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for replica in (leader, follower):
+            job = replica_get(replica, "c")
+            assert (job["status"], job["message"]) == ("PENDING", expected), replica
+            listed = {j["submission_id"]: j for j in list_jobs(replica)}
+            assert listed["c"]["message"] == expected, replica
+        go.touch()
+        assert replica_wait(itertools.repeat(follower), "c")["status"] == "SUCCEEDED"
     finally:
         group.stop()
