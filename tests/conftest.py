@@ -51,6 +51,7 @@ from tests.support.ray_nodes import (
 from tests.support.servers import start_jobs_server, wait_for_server
 from tests.support.tenant_server import TenantServer
 from tests.support.web_page import browser  # noqa: F401 (a fixture: the browser tests' Chromium)
+from tests.support.webhooks import receivers  # noqa: F401 (a fixture)
 
 isolate_environment()
 

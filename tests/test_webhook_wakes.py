@@ -9,20 +9,19 @@ from collections.abc import Awaitable, Callable
 
 from jobs_server.webhooks.sender import SenderOptions, WebhookSender
 from jobs_server.webhooks.signing import WebhookSecrets
-from tests.test_webhooks import (  # noqa: F401 (the receivers fixture)
+from tests.support.webhooks import (
     LOOPBACK_HTTP,
     MemoryOutbox,
     Receiver,
     eventually,
     new_secret,
-    receivers,
 )
 
 BURST = 100
 
 
 async def test_wakes_that_come_together_are_one_look_at_the_outbox(
-    receivers: Callable[..., Awaitable[Receiver]],  # noqa: F811
+    receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
     secret = new_secret()
     receiver = await receivers([secret])
