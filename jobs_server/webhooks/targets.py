@@ -78,7 +78,10 @@ class TargetPolicy:
         if kind is None:
             return None
         article = "an" if kind[0] in "aeiou" else "a"
-        return f"{address} is {article} {kind} address (allowed by --webhook-allow-private)"
+        # An IPv4-mapped address prints in hex (::ffff:6440:1): name the IPv4 it was judged as.
+        mapped = getattr(address, "ipv4_mapped", None)
+        named = f"{address} ({mapped})" if mapped is not None else str(address)
+        return f"{named} is {article} {kind} address (allowed by --webhook-allow-private)"
 
 
 def address_kind(address: IPAddress) -> str | None:
