@@ -29,8 +29,16 @@ from jobs_server.manager.archive.sqlite import Archive, archive_path
 from jobs_server.manager.records import JobAttempt, JobRecord, JobSpec, JobStatus, new_run_id
 from jobs_server.manager.webhook_events import WebhookEventType
 from jobs_server.settings import Settings
+from tests.support.api import wait_for_status
 from tests.support.fakes import FakeJobManager
 from tests.support.postgres import ArchiveFactory
+from tests.support.webhooks import (
+    Receiver,
+    eventually,
+    eventually_async,
+    new_secret,
+    webhook_settings,
+)
 
 Client = TestClient[Any, Any]
 
@@ -341,3 +349,62 @@ async def test_bad_list_queries_are_400(server: Server, query: str, says: str) -
     refused = await server.call("GET", f"/api/webhooks/disabled?{query}", "admin", 400)
     assert refused["error"]["code"] == "invalid_request"
     assert says in refused["error"]["message"]
+
+
+# -- end to end: a real server on the session's Ray, a receiver on loopback ---------------------
+
+
+async def test_a_receiver_that_answered_410_gets_the_next_events_once_enabled(
+    aiohttp_client: Callable[..., Awaitable[Client]],
+    settings: Settings,
+    tmp_path: Path,
+    receivers: Callable[..., Awaitable[Receiver]],
+) -> None:
+    secret = new_secret()
+    receiver = await receivers([secret], answers=[410])
+    (tmp_path / "secret").write_text(f"{secret}\n")
+    client = await aiohttp_client(
+        create_app(webhook_settings(settings, webhook_secret_file=tmp_path / "secret"))
+    )
+
+    async def run_job() -> str:
+        body = {
+            "entrypoint": "true",
+            "notify": [{"url": receiver.url, "events": ["job.succeeded"]}],
+        }
+        response = await client.post("/api/jobs/", json=body)
+        assert response.status == 200, await response.text()
+        job_id = str((await response.json())["submission_id"])
+        await wait_for_status(client, job_id)
+        return job_id
+
+    async def deliveries(job_id: str) -> list[tuple[str, str]]:
+        answer = await (await client.get(f"/api/jobs/{job_id}/deliveries")).json()
+        return [(row["event_type"], row["state"]) for row in answer["deliveries"]]
+
+    async def disabled() -> list[str]:
+        answer = await (await client.get("/api/webhooks/disabled")).json()
+        return [f"{row['tenant']} {row['url']}" for row in answer["endpoints"]]
+
+    first = await run_job()
+    await eventually_async(
+        lambda: _equals(disabled(), [f"default {receiver.url}"]), "the endpoint disabled"
+    )
+    assert await deliveries(first) == [("job.succeeded", "disabled")]
+    second = await run_job()
+    assert await deliveries(second) == []  # not written while disabled
+
+    response = await client.post("/api/webhooks/enable", json={"url": receiver.url})
+    assert response.status == 200, await response.text()
+    assert await disabled() == []
+    third = await run_job()
+    await eventually(lambda: (third, "job.succeeded") in receiver.events(), "the third's event")
+    assert await deliveries(third) == [("job.succeeded", "delivered")]
+    # What ended disabled stays ended; what was never written is not sent.
+    assert await deliveries(first) == [("job.succeeded", "disabled")]
+    assert receiver.events() == {(first, "job.succeeded"), (third, "job.succeeded")}
+    assert receiver.badly_signed == []
+
+
+async def _equals(value: Awaitable[Any], expected: Any) -> bool:
+    return await value == expected
