@@ -562,7 +562,7 @@ async def test_submit_after_waits_for_a_real_parent(server_url: str) -> None:
     never = stdout.decode().strip()
     code, stdout, _ = await run_cli("status", never, "--url", server_url)
     assert b"error_type:    DEPENDENCY_NEVER_SATISFIED" in stdout
-    assert f"dependency.1:  after {parent} failed: not met".encode() in stdout
+    assert f"dependency.1:  after {parent} failed: never".encode() in stdout
     code, _, stderr = await run_cli(
         "submit", "--after", "no-such-job", "--url", server_url, "--", "true"
     )
@@ -729,7 +729,7 @@ async def test_status_shows_dependencies_and_webhook_deliveries(
     assert code == 0, stderr
     lines = stdout.decode().splitlines()
     assert "dependency.1:  after prep succeeded: met" in lines
-    assert "dependency.2:  after check failed: not met" in lines
+    assert "dependency.2:  after check failed: not yet" in lines
     assert "dependency.3:  after train ended: not known" in lines
     assert "notify.1:      https://hooks.example.com/jobs (job.succeeded)" in lines
     deliveries = [line for line in lines if line.startswith("delivery.")]
@@ -823,3 +823,63 @@ async def test_webhooks_usage_errors_exit_2_saying_why(args: list[str], says: st
     code, _, stderr = await run_cli(*args)
     assert code == 2
     assert says in stderr
+
+
+# A dependency's word, the page's too (dependencies.js): met, never, not yet, not known.
+
+
+@pytest.mark.parametrize(
+    ("job", "said"),
+    [
+        (
+            {
+                "status": "FAILED",
+                "error_type": "DEPENDENCY_NEVER_SATISFIED",
+                "message": "check ended SUCCEEDED; this job needed it to fail or stop",
+            },
+            ["after prep succeeded: met", "after check failed: never", "after ch ended: not yet"],
+        ),
+        (
+            {
+                "status": "FAILED",
+                "error_type": "DEPENDENCY_NEVER_SATISFIED",
+                "message": "ch was deleted; this job needed it to end",
+            },
+            ["after prep succeeded: met", "after check failed: not yet", "after ch ended: never"],
+        ),
+        (
+            {"status": "PENDING", "message": "Waiting for 2 of 3 jobs: check to fail or stop"},
+            ["after prep succeeded: met", "after check failed: not yet", "after ch ended: not yet"],
+        ),
+    ],
+)
+async def test_status_says_never_for_the_dependency_a_job_never_ran_for(
+    aiohttp_server: AiohttpServer, job: dict[str, Any], said: list[str]
+) -> None:
+    details = {
+        "submission_id": "report",
+        "entrypoint": "make report",
+        "depends_on": [
+            {"submission_id": "prep", "condition": "succeeded", "met": True},
+            {"submission_id": "check", "condition": "failed", "met": False},
+            {"submission_id": "ch", "condition": "ended", "met": False},
+        ],
+        **job,
+    }
+    app = web.Application()
+
+    async def get_job(request: web.Request) -> web.Response:
+        return web.json_response(details)
+
+    async def get_deliveries(request: web.Request) -> web.Response:
+        return web.json_response({"deliveries": []})
+
+    app.router.add_get("/api/jobs/report", get_job)
+    app.router.add_get("/api/jobs/report/deliveries", get_deliveries)
+    server = await aiohttp_server(app)
+    code, stdout, stderr = await run_cli("status", "report", "--url", url_of(server))
+    assert code == 0, stderr
+    lines = stdout.decode().splitlines()
+    assert [line for line in lines if line.startswith("dependency.")] == [
+        f"dependency.{number}:  {text}" for number, text in enumerate(said, start=1)
+    ]

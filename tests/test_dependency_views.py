@@ -331,3 +331,40 @@ async def test_a_real_jobs_webhook_deliveries(
     await expect(delivery.locator('[data-field="last-status"]')).to_have_text("204")
     await expect(delivery.locator('[data-field="delivered"]')).not_to_be_empty()
     watch.assert_clean()
+
+
+async def test_the_dependency_a_job_never_ran_for_is_never_even_if_its_id_runs_again(
+    fake_client: TestClient[Any, Any], fake: FakeJobManager, browser: Browser
+) -> None:
+    """The page says what the terminal client says (`jobs-server status`): the dependency a
+    job ended DEPENDENCY_NEVER_SATISFIED for is 'never', by the job's own word, though its id
+    was submitted again since and runs; one that may still hold is 'not yet'."""
+    prep = await submit(fake_client, entrypoint="prepare")
+    other = await submit(fake_client, entrypoint="train")
+    child = await submit(
+        fake_client,
+        entrypoint="report",
+        depends_on=[{"submission_id": prep}, {"submission_id": other}],
+    )
+    fake.start(prep)
+    fake.finish(prep)
+    await fake.delete_job(prep)
+    fake._update(
+        child,
+        status=JobStatus.FAILED,
+        error_type=JobErrorType.DEPENDENCY_NEVER_SATISFIED,
+        message=f"{prep} was deleted; this job needed it to succeed",
+    )
+    await submit(fake_client, submission_id=prep, entrypoint="prepare again")
+
+    watch = await open_page(browser, fake_client)
+    page = watch.page
+    await serve_met(page, {(child, prep): False, (child, other): False})
+    await page.goto(str(fake_client.make_url(f"/#/jobs/{child}")))
+    await expect(cell(page, "dependencies", prep, "status")).to_have_text("PENDING")
+    await expect(cell(page, "dependencies", prep, "met")).to_have_text("never")
+    await expect(cell(page, "dependencies", other, "met")).to_have_text("not yet")
+    await expect(page.locator("#dependency-failure")).to_have_text(
+        f"This job never ran: it was to run after {prep} succeeded, but {prep} was deleted."
+    )
+    watch.assert_clean()

@@ -66,7 +66,7 @@ def print_job(
         for number, attempt in enumerate(job.get("attempts") or [], start=1)
     ]
     fields += [
-        (f"dependency.{number}", describe_dependency(dependency))
+        (f"dependency.{number}", describe_dependency(dependency, job))
         for number, dependency in enumerate(job.get("depends_on") or [], start=1)
     ]
     fields += [
@@ -106,11 +106,35 @@ def describe_attempt(attempt: dict[str, Any]) -> str:
     return ", ".join(used)
 
 
-def describe_dependency(dependency: dict[str, Any]) -> str:
-    """A job this one waits for, and whether that is met: "after prep succeeded: met"."""
+NEVER_SATISFIED = "DEPENDENCY_NEVER_SATISFIED"
+
+
+def describe_dependency(dependency: dict[str, Any], job: dict[str, Any] | None = None) -> str:
+    """A job this one waits for, and whether that is met, as the web page says it: "met";
+    "never" for the one `job` ended DEPENDENCY_NEVER_SATISFIED for (its message names it);
+    "not yet" for one not met (still possible, as far as the job's details tell); "not known"."""
+    job_id = dependency.get("submission_id")
     met = dependency.get("met")
-    met_text = "not known" if met is None else "met" if met else "not met"
-    return f"after {dependency.get('submission_id')} {dependency.get('condition')}: {met_text}"
+    if met is True:
+        met_text = "met"
+    elif job is not None and never_ran_for(job) == job_id:
+        met_text = "never"
+    else:
+        met_text = "not known" if met is None else "not yet"
+    return f"after {job_id} {dependency.get('condition')}: {met_text}"
+
+
+def never_ran_for(job: dict[str, Any]) -> str | None:
+    """The id of the dependency a job ended DEPENDENCY_NEVER_SATISFIED for: its message
+    begins with it ("prep ended FAILED; ...", "prep was deleted; ..."); None for another job."""
+    message = job.get("message") or ""
+    if job.get("error_type") != NEVER_SATISFIED:
+        return None
+    for dependency in job.get("depends_on") or []:
+        job_id = dependency.get("submission_id")
+        if message.startswith((f"{job_id} ended ", f"{job_id} was deleted;")):
+            return str(job_id)
+    return None
 
 
 def describe_delivery(delivery: dict[str, Any]) -> str:

@@ -59,17 +59,35 @@ export async function readDependents(job, signal) {
   return { dependents, complete: after === null };
 }
 
-/** Whether a dependency can no longer be met, from its details (null: deleted) read here; the
- * server's `met` first: a job deleted after its condition held stays met. */
-function neverMet(dependency, details) {
-  if (dependency.met === true || details === undefined) return false;
+/** The dependency a job ended DEPENDENCY_NEVER_SATISFIED for, by the job's own word (its
+ * message begins with it: "prep ended FAILED; ...", "prep was deleted; ..."): {id, outcome};
+ * null for another job. The terminal client reads it the same way (client/output.py). */
+export function neverRanFor(job) {
+  if (job.error_type !== NEVER_SATISFIED) return null;
+  const message = job.message ?? "";
+  for (const { submission_id: id } of job.depends_on ?? []) {
+    if (message.startsWith(`${id} ended `) || message.startsWith(`${id} was deleted;`)) {
+      return { id, outcome: message.slice(id.length + 1).split(";")[0] };
+    }
+  }
+  return null;
+}
+
+/** Whether a dependency can no longer be met: the one the job never ran for, or one whose
+ * details (null: deleted) read here say so; the server's `met` first: a job deleted after its
+ * condition held stays met. */
+function neverMet(job, dependency, details) {
+  if (dependency.met === true) return false;
+  if (neverRanFor(job)?.id === dependency.submission_id) return true;
+  if (details === undefined) return false;
   return !canStillHold(dependency.condition, details?.status ?? null);
 }
 
-/** Whether a dependency is met: the server's word, and "never" once it cannot be. */
-function metText(dependency, details) {
+/** Whether a dependency is met, as the terminal client says it too: "met" (the server's
+ * word), "never" once it cannot be, "not yet" while it may, "not known". */
+function metText(job, dependency, details) {
   if (dependency.met === true) return "met";
-  if (neverMet(dependency, details)) return "never";
+  if (neverMet(job, dependency, details)) return "never";
   if (dependency.met === false) return "not yet";
   return "not known";
 }
@@ -86,10 +104,17 @@ function statusCell(details) {
 /** Why a job ended DEPENDENCY_NEVER_SATISFIED, naming the dependency; null for another job. */
 export function neverRanText(job, detailsById) {
   if (job.error_type !== NEVER_SATISFIED) return null;
+  const named = neverRanFor(job);
+  for (const dependency of job.depends_on ?? []) {
+    const id = dependency.submission_id;
+    if (named?.id === id) {
+      return `This job never ran: it was to run after ${id} ${dependency.condition}, but ${id} ${named.outcome}.`;
+    }
+  }
   for (const dependency of job.depends_on ?? []) {
     const id = dependency.submission_id;
     const details = detailsById.get(id);
-    if (!neverMet(dependency, details)) continue;
+    if (!neverMet(job, dependency, details)) continue;
     const outcome = details === null ? "was deleted" : `ended ${details.status}`;
     return `This job never ran: it was to run after ${id} ${dependency.condition}, but ${id} ${outcome}.`;
   }
@@ -108,7 +133,7 @@ export function renderDependencies(section, job, detailsById) {
       el("td", {}, jobLink(dependency.submission_id)),
       el("td", { "data-field": "condition" }, dependency.condition),
       el("td", { "data-field": "status" }, statusCell(details)),
-      el("td", { "data-field": "met" }, metText(dependency, details)));
+      el("td", { "data-field": "met" }, metText(job, dependency, details)));
   });
   replaceChildren(section,
     el("h2", { id: "dependencies-title" }, "Depends on"),
