@@ -368,3 +368,44 @@ async def test_the_dependency_a_job_never_ran_for_is_never_even_if_its_id_runs_a
         f"This job never ran: it was to run after {prep} succeeded, but {prep} was deleted."
     )
     watch.assert_clean()
+
+
+async def test_a_fan_in_reads_its_dependencies_in_one_request_until_all_are_decided(
+    fake_client: TestClient[Any, Any], fake: FakeJobManager, browser: Browser
+) -> None:
+    """A waiting job's page is read again every 5 s (job.js): its dependencies' statuses come
+    in one request each time, not one per dependency, and no more once each has ended."""
+    parents = [await submit(fake_client, entrypoint=f"part {i}") for i in range(20)]
+    join = await submit(
+        fake_client,
+        entrypoint="join",
+        depends_on=[{"submission_id": parent} for parent in parents],
+    )
+    watch = await open_page(browser, fake_client)
+    page = watch.page
+    asked: list[str] = []
+    page.on("request", lambda request: asked.append(request.url))
+
+    def reads() -> tuple[int, int]:
+        """(requests of one dependency's details, requests of several by id)."""
+        one = sum(1 for url in asked if any(url.endswith(f"/api/jobs/{p}") for p in parents))
+        several = sum(1 for url in asked if "/api/jobs/?submission_id=" in url)
+        return one, several
+
+    await page.goto(str(fake_client.make_url(f"/#/jobs/{join}")))
+    await expect(rows(page, "dependencies")).to_have_count(20)
+    await expect(cell(page, "dependencies", parents[0], "status")).to_have_text("PENDING")
+    assert reads() == (0, 1)
+    for parent in parents:
+        fake.start(parent)
+        fake.finish(parent)
+    # The next refresh (5 s) reads them ended; then none is read again.
+    await expect(cell(page, "dependencies", parents[-1], "status")).to_have_text(
+        "SUCCEEDED", timeout=15_000
+    )
+    decided = reads()
+    refreshes = sum(1 for url in asked if url.endswith(f"/api/jobs/{join}"))
+    await page.wait_for_timeout(6_000)
+    assert sum(1 for url in asked if url.endswith(f"/api/jobs/{join}")) > refreshes
+    assert reads() == decided
+    watch.assert_clean()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 from datetime import datetime
 from typing import Annotated, Literal
 
@@ -9,6 +11,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from jobs_server.api_models import (
+    MAX_DEPENDENCIES,
+    SUBMISSION_ID_PATTERN,
     DeleteJobResponse,
     JobDetails,
     StopJobRequest,
@@ -26,8 +30,8 @@ from jobs_server.app_state import (
     SETTINGS_KEY,
 )
 from jobs_server.audit import audit, redacted_runtime_env
-from jobs_server.errors import InvalidRequestError
-from jobs_server.manager import JobQuery, JobRecord, JobStatus, new_submission_id
+from jobs_server.errors import InvalidRequestError, JobNotFoundError
+from jobs_server.manager import JobManagerApi, JobQuery, JobRecord, JobStatus, new_submission_id
 from jobs_server.serving.query_params import parse_statuses
 from jobs_server.serving.request_body import (
     describe_validation_error,
@@ -67,6 +71,9 @@ class ListJobsQuery(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     status: str | None = Field(None, description="Comma-separated statuses to keep.")
+    submission_id: str | None = Field(
+        None, description="Comma-separated ids: those jobs only (a job's dependencies at once)."
+    )
     after: SubmissionId | None = None
     limit: Annotated[int, Field(ge=1, le=10_000)] | None = None
     submitted_after: str | None = None
@@ -75,6 +82,25 @@ class ListJobsQuery(BaseModel):
 
     def statuses(self) -> frozenset[JobStatus] | None:
         return parse_statuses(self.status)
+
+    def submission_ids(self) -> list[str] | None:
+        """The ids asked for, each once, in their order; None: no such filter."""
+        if self.submission_id is None:
+            return None
+        others = [
+            name
+            for name in ("status", "after", "limit", "submitted_after", "submitted_before")
+            if getattr(self, name) is not None
+        ]
+        if others:
+            raise InvalidRequestError(f"submission_id: not with {others[0]}")
+        ids = list(dict.fromkeys(self.submission_id.split(",")))
+        if len(ids) > MAX_IDS_LISTED:
+            raise InvalidRequestError(f"submission_id: at most {MAX_IDS_LISTED} ids")
+        for job_id in ids:
+            if not _SUBMISSION_ID.match(job_id) or job_id in (".", ".."):
+                raise InvalidRequestError(f"submission_id: {job_id!r} is not a submission id")
+        return ids
 
     def to_query(self, metadata: tuple[tuple[str, str], ...]) -> JobQuery:
         return JobQuery(
@@ -86,6 +112,9 @@ class ListJobsQuery(BaseModel):
         )
 
 
+# Jobs a list by id names at most: as many as a job may depend on.
+MAX_IDS_LISTED = MAX_DEPENDENCIES
+_SUBMISSION_ID = re.compile(SUBMISSION_ID_PATTERN)
 _METADATA_PREFIX = "metadata."
 # Unix ms from 2001 on have 13 digits; a bound beyond what SQLite's integers hold is refused.
 _MAX_MS = 2**62
@@ -131,6 +160,11 @@ def _list_query(request: web.Request) -> tuple[ListJobsQuery, JobQuery]:
 async def list_jobs(request: web.Request) -> web.StreamResponse:
     query, job_query = _list_query(request)
     manager = request.app[JOB_MANAGER_KEY]
+    ids = query.submission_ids()
+    if ids is not None:
+        found = await _jobs_by_id(manager, ids, request[PRINCIPAL_KEY].tenant_scope)
+        text = "[" + ",".join(await _details_json(request, found)) + "]"
+        return web.Response(text=text, content_type="application/json")
     if query.limit is None:
         return await _stream_jobs(request, job_query, query.after)
     page = await manager.list_jobs(
@@ -145,6 +179,22 @@ async def list_jobs(request: web.Request) -> web.StreamResponse:
         next_page = request.rel_url.update_query(after=page.next_after)
         response.headers["Link"] = f'<{next_page}>; rel="next"'
     return response
+
+
+async def _jobs_by_id(
+    manager: JobManagerApi, ids: list[str], tenant: str | None
+) -> list[JobRecord]:
+    """The jobs among `ids` that exist (of `tenant`; None: any), each as its GET reads it, in
+    the order of `ids`."""
+
+    async def read(job_id: str) -> JobRecord | None:
+        try:
+            return await manager.get_job(job_id, tenant=tenant)
+        except JobNotFoundError:
+            return None
+
+    found = await asyncio.gather(*(read(job_id) for job_id in ids))
+    return [record for record in found if record is not None]
 
 
 async def _details_json(

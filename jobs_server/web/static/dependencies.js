@@ -3,7 +3,7 @@
 // it (a dependency must exist when its dependent is submitted), with the list API's own query;
 // and, for a job that can never run, which dependency is why.
 
-import { ApiError, getJson, jobPath, nextAfter, request } from "./api.js";
+import { getJson, nextAfter, request } from "./api.js";
 import { el, replaceChildren, statusBadge } from "./dom.js";
 
 // Dependents are looked for in at most this many pages of the jobs submitted after the job.
@@ -25,17 +25,35 @@ export function canStillHold(condition, status) {
   return status !== null && (!TERMINAL.has(status) || conditionHolds(condition, status));
 }
 
-/** The details of each job `job` depends on, by id; null for one that was deleted (404). */
+// What a page learnt of a job's dependencies once each had ended or was deleted, by the job's
+// run (id and submit time), for the last few jobs shown: a terminal status is final, so they
+// are not read again at each refresh of a job that waits.
+const DECIDED_KEPT = 32;
+const decidedDependencies = new Map();
+
+function isDecided(details) {
+  return details === null || TERMINAL.has(details.status);
+}
+
+/** The details of each job `job` depends on, by id (null: deleted), read in one request (the
+ * list by ids), or not at all once every one has ended. */
 export async function readDependencies(job, signal) {
-  const read = async ({ submission_id: id }) => {
-    try {
-      return [id, await getJson(jobPath(id), { signal })];
-    } catch (failure) {
-      if (failure instanceof ApiError && failure.status === 404) return [id, null];
-      throw failure;
+  const ids = (job.depends_on ?? []).map((dependency) => dependency.submission_id);
+  if (ids.length === 0) return new Map();
+  const run = `${job.submission_id} ${job.start_time}`;
+  const known = decidedDependencies.get(run);
+  if (known) return known;
+  const query = new URLSearchParams({ submission_id: ids.join(",") });
+  const listed = await getJson(`/api/jobs/?${query}`, { signal });
+  const found = new Map(listed.map((other) => [other.submission_id, other]));
+  const details = new Map(ids.map((id) => [id, found.get(id) ?? null]));
+  if ([...details.values()].every(isDecided)) {
+    decidedDependencies.set(run, details);
+    if (decidedDependencies.size > DECIDED_KEPT) {
+      decidedDependencies.delete(decidedDependencies.keys().next().value);
     }
-  };
-  return new Map(await Promise.all((job.depends_on ?? []).map(read)));
+  }
+  return details;
 }
 
 /** The jobs that depend on `job` ({job, condition}, in submission order), and whether every
