@@ -427,7 +427,8 @@ class JobManager:
         until the jobs it depends on ended as it needs); return at once, the job PENDING.
         `spec.limits` are what the client asked for: the job gets its effective ones
         (limits.py), decided here, by the leader. QueueFullError (nothing recorded) if the
-        queue is full; InvalidRequestError if a limit is above the tenant's ceiling;
+        queue is full (for a job that depends on others: if too many jobs wait for others);
+        InvalidRequestError if a limit is above the tenant's ceiling;
         JobNotFoundError (nothing recorded) for a job it depends on that is not there or is
         another tenant's."""
         await self._confirm_lead()

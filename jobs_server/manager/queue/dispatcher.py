@@ -318,7 +318,7 @@ class Dispatcher:
     async def _make_ready(self, record: JobRecord) -> None:
         """A met job without room waits on, ready: archived with every condition held (a
         recovery then admits it at once, even if one was deleted since) and a message that
-        says why, before the dispatcher starts as it was."""
+        says why. Before the dispatcher starts it is only held (`start` admits it)."""
         if not self._started:
             self._waits.park(record)  # `start` admits it
             return
