@@ -240,7 +240,10 @@ class Settings(BaseSettings):
         10.0, gt=0, le=300, description="The most one webhook attempt may take, end to end."
     )
     webhook_max_in_flight: int = Field(
-        64, ge=1, le=10_000, description="Webhook deliveries sent at once."
+        64,
+        ge=1,
+        le=10_000,
+        description="Webhook deliveries sent at once (one tenant's: at most half of them).",
     )
     max_running_jobs: int | None = Field(
         None,

@@ -342,6 +342,20 @@ async def test_claims_are_exclusive_and_expire(archive_factory: ArchiveFactory) 
             await archive.close()
 
 
+async def test_claims_skip_the_tenants_asked(outbox: JobArchive) -> None:
+    """The sender skips the tenants whose sends fill their share, so that one tenant's slow
+    receiver never holds the others' deliveries back."""
+    for name, tenant in (("a", "hog"), ("b", "other"), ("c", "third")):
+        job = record(name).with_changes(tenant=tenant)
+        await outbox.insert(job)
+        await outbox.update(running(job))
+    now = now_ms() + 1
+    claimed = await outbox.claim_due_deliveries(now, 100, CLAIM_MS, skip_tenants=["hog", "third"])
+    assert {delivery.tenant for delivery in claimed} == {"other"}
+    rest = await outbox.claim_due_deliveries(now, 100, CLAIM_MS, skip_tenants=[])
+    assert sorted({delivery.tenant for delivery in rest}) == ["hog", "third"]
+
+
 async def test_claims_take_the_oldest_due_first(outbox: JobArchive) -> None:
     for name in ("a", "b"):
         job = record(name)

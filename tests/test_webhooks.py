@@ -452,14 +452,15 @@ async def test_a_receiver_that_hangs_times_out_and_holds_only_its_own_slots(
     hanging = await receivers([secret], hang=True)
     answering = await receivers([secret])
     running = await run_sender(
-        WebhookSecrets(server=(secret,)), timeout_s=1.0, max_in_flight=2, uniform=lambda: 1.0
+        WebhookSecrets(server=(secret,)), timeout_s=1.0, max_in_flight=4, uniform=lambda: 1.0
     )
     stuck = [running.outbox.add(hanging.url) for _ in range(4)]
     running.sender.wake()
     await eventually(lambda: hanging.hanging == 2, "two sends in flight")
     late = running.outbox.add(answering.url)
     running.sender.wake()
-    # At most two at once: the answering receiver waits for a slot, freed by the timeout.
+    # At most two at once (the tenant's share of four): the answering receiver, the same
+    # tenant's, waits for one of its slots, freed by the timeout.
     await eventually(
         lambda: running.outbox.state_of(late).state is DeliveryState.DELIVERED, "delivered"
     )
@@ -698,11 +699,11 @@ async def test_a_receiver_that_hangs_never_holds_the_api(
     receivers: Callable[..., Awaitable[Receiver]],
 ) -> None:
     hanging = await receivers([secret_file.secret], hang=True)
-    client = await secret_file_app(webhook_max_in_flight=2, webhook_timeout_s=120.0)
+    client = await secret_file_app(webhook_max_in_flight=4, webhook_timeout_s=120.0)
     for job_id in [await submit_with_notify(client, [hanging.url]) for _ in range(2)]:
         await wait_for_status(client, job_id)
-    await eventually(lambda: hanging.hanging == 2, "the receiver holding both slots")
-    # While it holds every slot of the sender: submits, reads and ends go on.
+    await eventually(lambda: hanging.hanging == 2, "the receiver holding its tenant's share")
+    # While it holds every slot its tenant may: submits, reads and ends go on.
     later = [await submit_with_notify(client, [hanging.url]) for _ in range(5)]
     for job_id in later:
         assert (await wait_for_status(client, job_id))["status"] == "SUCCEEDED"

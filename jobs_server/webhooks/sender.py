@@ -16,6 +16,7 @@ import contextlib
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -50,6 +51,9 @@ OUTBOX_ERROR_PAUSE_S = 1.0
 # each: a burst of 100 deliveries was 299 looks at the outbox, each a read and a claim, whose
 # writes queued behind the API's own. A delivery waits this much more: well within its 1 s.
 WAKE_COALESCE_S = 0.02
+# A tenant's sends fill at most this share of --webhook-max-in-flight: a tenant whose receiver
+# hangs (each send until the timeout) leaves the rest to the others.
+TENANT_SHARE = 0.5
 # Due deliveries another sender claimed first: looked at again after this.
 CLAIM_RACE_PAUSE_S = 0.05
 # The pending gauge of /metrics is counted at most this often (a count of the outbox).
@@ -83,6 +87,10 @@ class SenderOptions:
     @property
     def claim_ms(self) -> int:
         return int((self.timeout_s + CLAIM_MARGIN_S) * 1000)
+
+    @property
+    def tenant_max_in_flight(self) -> int:
+        return max(1, int(self.max_in_flight * TENANT_SHARE))
 
     @property
     def backoff_cap_s(self) -> float:
@@ -120,6 +128,7 @@ class WebhookSender:
         self._uniform = uniform
         self._wake = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._in_flight_by_tenant: Counter[str] = Counter()
         self._pending_counted_at = -PENDING_COUNT_INTERVAL_S
 
     def wake(self) -> None:
@@ -162,21 +171,43 @@ class WebhookSender:
                 return FALLBACK_POLL_S
             if due_ms > now:
                 return min(FALLBACK_POLL_S, (due_ms - now) / 1000)
-            claimed = await self._outbox.claim_due_deliveries(now, free, self._options.claim_ms)
+            full, limit = self._tenant_room()
+            claimed = await self._outbox.claim_due_deliveries(
+                now, min(free, limit), self._options.claim_ms, skip_tenants=full
+            )
         except Exception as error:
             logger.warning("webhooks: the outbox did not answer (%s); trying again", error)
             return OUTBOX_ERROR_PAUSE_S
         for delivery in claimed:
             self._start(session, delivery)
-        # More may be due at once; none claimed: another sender took them, look again soon.
-        return 0.0 if claimed else CLAIM_RACE_PAUSE_S
+        if claimed:
+            return 0.0  # more may be due at once
+        # None claimed: another sender took them (look again soon), or what is due is the full
+        # tenants' (a send that ends, or a new delivery, wakes it).
+        return FALLBACK_POLL_S if full else CLAIM_RACE_PAUSE_S
+
+    def _tenant_room(self) -> tuple[list[str], int]:
+        """The tenants whose sends fill their share (skipped), and how many one claim may take
+        so that none of the others overfills its share."""
+        share = self._options.tenant_max_in_flight
+        full = [tenant for tenant, sending in self._in_flight_by_tenant.items() if sending >= share]
+        busiest = max(
+            (sending for sending in self._in_flight_by_tenant.values() if sending < share),
+            default=0,
+        )
+        return full, share - busiest
 
     def _start(self, session: aiohttp.ClientSession, delivery: WebhookDelivery) -> None:
         task = asyncio.create_task(self._deliver(session, delivery), name=f"webhook-{delivery.id}")
         self._in_flight.add(task)
+        tenant = delivery.tenant
+        self._in_flight_by_tenant[tenant] += 1
 
         def done(finished: asyncio.Task[None]) -> None:
             self._in_flight.discard(finished)
+            self._in_flight_by_tenant[tenant] -= 1
+            if self._in_flight_by_tenant[tenant] <= 0:
+                del self._in_flight_by_tenant[tenant]
             self._wake.set()  # a slot is free
 
         task.add_done_callback(done)

@@ -9,7 +9,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -203,13 +203,14 @@ class MemoryOutbox:
         return delivery
 
     async def claim_due_deliveries(
-        self, now_ms: int, limit: int, claim_ms: int
+        self, now_ms: int, limit: int, claim_ms: int, *, skip_tenants: Collection[str] = ()
     ) -> list[WebhookDelivery]:
         due = sorted(
             (
                 row
                 for row in self.rows.values()
                 if row.state is DeliveryState.PENDING
+                and row.tenant not in skip_tenants
                 and row.next_attempt_ms is not None
                 and row.next_attempt_ms <= now_ms
             ),

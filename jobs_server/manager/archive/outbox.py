@@ -12,7 +12,7 @@ enabled again (`enable_webhook_endpoint`: from the next event on; what ended DIS
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from enum import StrEnum
 from typing import NamedTuple, Protocol
 
@@ -139,11 +139,11 @@ class Outbox(Protocol):
     """The archive's side of webhook deliveries (both stores)."""
 
     async def claim_due_deliveries(
-        self, now_ms: int, limit: int, claim_ms: int
+        self, now_ms: int, limit: int, claim_ms: int, *, skip_tenants: Collection[str] = ()
     ) -> list[WebhookDelivery]:
-        """Up to `limit` PENDING deliveries due by `now_ms`, oldest first, each claimed (its
-        `next_attempt_ms` moved to `now_ms + claim_ms`) in the same transaction, so no other
-        sender takes them meanwhile."""
+        """Up to `limit` PENDING deliveries due by `now_ms`, oldest first, but those of
+        `skip_tenants`, each claimed (its `next_attempt_ms` moved to `now_ms + claim_ms`) in
+        the same transaction, so no other sender takes them meanwhile."""
         ...
 
     async def next_delivery_due_ms(self) -> int | None:

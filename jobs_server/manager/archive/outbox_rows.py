@@ -69,8 +69,11 @@ INSERT = (
     " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)"
 )
 DISABLED_URLS = "SELECT url FROM webhook_endpoints_disabled WHERE tenant = ?"
+# The tenants to skip (their sends fill their share: sender.py) are a JSON array in SQLite, an
+# array in PostgreSQL; an empty one skips none.
 DUE = (
     f"SELECT {COLUMNS} FROM webhook_deliveries WHERE state = 'pending' AND next_attempt_ms <= ?"
+    " AND tenant NOT IN (SELECT value FROM json_each(?))"
     " ORDER BY next_attempt_ms LIMIT ?"
 )
 CLAIM = "UPDATE webhook_deliveries SET next_attempt_ms = ? WHERE id = ?"
@@ -78,7 +81,7 @@ CLAIM = "UPDATE webhook_deliveries SET next_attempt_ms = ? WHERE id = ?"
 CLAIM_DUE_SKIP_LOCKED = (
     "UPDATE webhook_deliveries SET next_attempt_ms = ? WHERE id IN"
     " (SELECT id FROM webhook_deliveries WHERE state = 'pending' AND next_attempt_ms <= ?"
-    " ORDER BY next_attempt_ms LIMIT ? FOR UPDATE SKIP LOCKED)"
+    " AND tenant <> ALL(?) ORDER BY next_attempt_ms LIMIT ? FOR UPDATE SKIP LOCKED)"
     f" RETURNING {COLUMNS}"
 )
 NEXT_DUE = "SELECT MIN(next_attempt_ms) FROM webhook_deliveries WHERE state = 'pending'"

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -619,12 +619,14 @@ class PostgresArchive:
     # -- Outbox (outbox.py): transactions of their own, no events lock ----------------------
 
     async def claim_due_deliveries(
-        self, now_ms: int, limit: int, claim_ms: int
+        self, now_ms: int, limit: int, claim_ms: int, *, skip_tenants: Collection[str] = ()
     ) -> list[WebhookDelivery]:
-        """Up to `limit` due PENDING deliveries, soonest due first, each claimed until
-        `now_ms + claim_ms` in one statement (rows another claimer holds are skipped)."""
+        """Up to `limit` due PENDING deliveries, soonest due first, but `skip_tenants`' ones,
+        each claimed until `now_ms + claim_ms` in one statement (rows another claimer holds
+        are skipped)."""
         rows = await self._rows(
-            outbox_rows.CLAIM_DUE_SKIP_LOCKED, (now_ms + claim_ms, now_ms, limit)
+            outbox_rows.CLAIM_DUE_SKIP_LOCKED,
+            (now_ms + claim_ms, now_ms, sorted(skip_tenants), limit),
         )
         # RETURNING has no order: the claim's (their due times, now all the same, were).
         claimed = [outbox_rows.delivery_of_row(row) for row in rows]

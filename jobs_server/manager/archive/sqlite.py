@@ -16,9 +16,10 @@ cold disk) never delays a submit.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
@@ -514,13 +515,15 @@ class Archive:
     # -- Outbox (outbox.py) -----------------------------------------------------------------
 
     async def claim_due_deliveries(
-        self, now_ms: int, limit: int, claim_ms: int
+        self, now_ms: int, limit: int, claim_ms: int, *, skip_tenants: Collection[str] = ()
     ) -> list[WebhookDelivery]:
-        """Up to `limit` due PENDING deliveries, soonest due first, each claimed until
-        `now_ms + claim_ms` in the same transaction (the database's write lock: exclusive)."""
+        """Up to `limit` due PENDING deliveries, soonest due first, but `skip_tenants`' ones,
+        each claimed until `now_ms + claim_ms` in the same transaction (the database's write
+        lock: exclusive)."""
+        skipped = json.dumps(sorted(skip_tenants))
 
         def claim(db: sqlite3.Connection) -> tuple[list[WebhookDelivery], list[JobEvent]]:
-            rows = db.execute(outbox_rows.DUE, (now_ms, limit)).fetchall()
+            rows = db.execute(outbox_rows.DUE, (now_ms, skipped, limit)).fetchall()
             until_ms = now_ms + claim_ms
             db.executemany(outbox_rows.CLAIM, [(until_ms, row[0]) for row in rows])
             claimed = [outbox_rows.delivery_of_row(row) for row in rows]
