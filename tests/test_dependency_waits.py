@@ -191,7 +191,7 @@ def test_only_a_job_with_dependencies_not_yet_met_waits() -> None:
     assert not needs_wait(child("d"))
 
 
-def test_waiting_jobs_are_bounded_and_a_refusal_names_the_cause() -> None:
+def test_waiting_jobs_are_bounded_per_tenant_and_a_refusal_names_the_cause() -> None:
     waits = DependencyWaits(max_waiting=2)
     first, second, third = (child(job_id, ("a", S)) for job_id in ("c", "d", "e"))
     waits.reserve(first)
@@ -201,14 +201,29 @@ def test_waiting_jobs_are_bounded_and_a_refusal_names_the_cause() -> None:
     with pytest.raises(QueueFullError) as refused:
         waits.reserve(third)
     assert str(refused.value) == (
-        "Too many jobs wait for others to end: tenant 'default' has 2 waiting, and the server"
-        " holds at most 2 of all tenants. Nothing was recorded; try again later."
+        "Too many jobs of tenant 'default' wait for others to end: 2, the most a tenant may"
+        " have. Nothing was recorded; try again later."
     )
+    # Another tenant's are its own: one tenant filling its bound refuses nobody else.
+    other = child("g", ("a", S)).with_changes(tenant="other")
+    waits.reserve(other)
+    waits.release(other)
+    waits.add(other)
     waits.release(second)  # its row was not written after all
     waits.reserve(third)
     # A recovered job (accepted before) is held whatever the bound.
     waits.add(child("f", ("a", S)))
-    assert len(waits) == 2
+    assert len(waits) == 3
+    # A ready job (met, no place in the queue yet) holds its place; one that leaves frees it.
+    waits.release(third)
+    assert waits.remove("f") is not None
+    assert waits.remove("c") is not None
+    waits.park(first)
+    waits.reserve(child("h", ("a", S)))
+    with pytest.raises(QueueFullError):
+        waits.reserve(child("i", ("a", S)))
+    assert waits.remove("c") is not None
+    waits.reserve(child("i", ("a", S)))
 
 
 def test_a_met_job_without_a_place_waits_on_in_order_and_says_so() -> None:

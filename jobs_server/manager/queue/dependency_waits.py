@@ -9,7 +9,8 @@ that wait for it makes an end cost only its own dependents.
 A waiting job holds no running slot and no place in the queue: it takes one (or a slot) only
 when its conditions all hold, as a job submitted then would. If there is none then, it stays
 here, *ready*, until one frees (the dispatcher admits the ready ones in the order they were
-met). The waiting jobs are bounded (`MAX_WAITING_JOBS`): past it a submit is refused, 429.
+met). The waiting jobs of each tenant are bounded (`MAX_WAITING_JOBS`): past it the tenant's
+submit is refused, 429.
 
 `learn` may be told the same end twice (an event, and a read of the statuses made after the
 registration): a condition that held stays held (a terminal status is final), and a job is
@@ -36,7 +37,9 @@ from jobs_server.manager.records import (
 # too, so the message is).
 NAMED_IN_MESSAGE = 5
 
-# The most jobs waiting (or ready) at once, of all tenants: each is held in memory by the leader.
+# The most jobs of one tenant waiting (or ready) at once: each is held in memory by the leader.
+# A tenant's own, so that one tenant filling it refuses nobody else; tenants are the tokens
+# file's, so the whole is bounded too.
 MAX_WAITING_JOBS = 10_000
 # Retry-After of a submit refused because too many jobs wait: they wait for other jobs' ends.
 WAITING_RETRY_AFTER_S = 10
@@ -134,6 +137,8 @@ class DependencyWaits:
         """Met, waiting for a place in the queue: in the order they were met."""
         self._reserved: Counter[str] = Counter()
         """By tenant, places taken by submits whose rows are being written."""
+        self._held: Counter[str] = Counter()
+        """By tenant, the jobs waiting or ready."""
         self._dependents: dict[str, set[str]] = {}
         """Pending conditions: by the job waited for, the jobs waiting for it."""
         self._unrecorded: dict[str, set[str]] = {}
@@ -151,29 +156,20 @@ class DependencyWaits:
         """Take a place among the waiting jobs for a submit (its row not yet written);
         QueueFullError if there is none. `release` gives it back, before the job is added
         (or if it is not recorded)."""
-        waiting = len(self) + self._reserved.total()
-        if waiting >= self._max_waiting:
-            tenant = record.tenant
-            of_tenant = self._reserved[tenant] + sum(
-                1 for held in self._records() if held.tenant == tenant
-            )
-            # The submitter's own tenant's number: the others' are not its to know.
+        tenant = record.tenant
+        if self._held[tenant] + self._reserved[tenant] >= self._max_waiting:
             raise QueueFullError(
-                f"Too many jobs wait for others to end: tenant {tenant!r} has {of_tenant}"
-                f" waiting, and the server holds at most {self._max_waiting} of all tenants."
-                " Nothing was recorded; try again later.",
+                f"Too many jobs of tenant {tenant!r} wait for others to end:"
+                f" {self._max_waiting}, the most a tenant may have. Nothing was recorded;"
+                " try again later.",
                 retry_after_s=WAITING_RETRY_AFTER_S,
             )
-        self._reserved[record.tenant] += 1
+        self._reserved[tenant] += 1
 
     def release(self, record: JobRecord) -> None:
         """Give back a place `reserve` took for a submit (recorded: it is added now)."""
         if self._reserved[record.tenant] > 0:
             self._reserved[record.tenant] -= 1
-
-    def _records(self) -> Iterable[JobRecord]:
-        yield from (wait.record for wait in self._waits.values())
-        yield from self._ready.values()
 
     def waiting_ids(self) -> list[str]:
         return list(self._waits)
@@ -186,6 +182,7 @@ class DependencyWaits:
         """Hold a job that waits (again: its conditions pending until learnt, but for those its
         record says held)."""
         self.remove(record.submission_id)
+        self._held[record.tenant] += 1
         wait = _Wait(
             record,
             {
@@ -206,11 +203,13 @@ class DependencyWaits:
         if ready is not None:
             if run_id is not None and ready.run_id != run_id:
                 return None
+            self._held[ready.tenant] -= 1
             return self._ready.pop(submission_id)
         wait = self._waits.get(submission_id)
         if wait is None or (run_id is not None and wait.record.run_id != run_id):
             return None
         del self._waits[submission_id]
+        self._held[wait.record.tenant] -= 1
         for parent in wait.pending:
             _unindex(self._dependents, parent, submission_id)
         for dependency in wait.record.spec.depends_on:
@@ -220,6 +219,8 @@ class DependencyWaits:
     def park(self, record: JobRecord) -> None:
         """Hold a job whose conditions all hold (a resolution MET, out of the waits) until
         the queue has a place for it: after those parked before it."""
+        if record.submission_id not in self._ready:
+            self._held[record.tenant] += 1
         self._ready[record.submission_id] = record
 
     def has_ready(self) -> bool:
@@ -233,6 +234,7 @@ class DependencyWaits:
         self._waits.clear()
         self._ready.clear()
         self._reserved.clear()
+        self._held.clear()
         self._dependents.clear()
         self._unrecorded.clear()
 
