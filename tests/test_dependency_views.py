@@ -409,3 +409,34 @@ async def test_a_fan_in_reads_its_dependencies_in_one_request_until_all_are_deci
     assert sum(1 for url in asked if url.endswith(f"/api/jobs/{join}")) > refreshes
     assert reads() == decided
     watch.assert_clean()
+
+
+async def test_dependents_are_shown_when_their_read_is_overtaken(
+    fake_client: TestClient[Any, Any], fake: FakeJobManager, browser: Browser
+) -> None:
+    """An ended job's page reads its details twice at once (its first read, and the log's end):
+    the first read of its dependents, overtaken by the second, must not leave them unshown (the
+    second, seeing the same status, did not look again)."""
+    prep = await submit(fake_client, entrypoint="prepare")
+    train = await submit(fake_client, entrypoint="train", depends_on=[{"submission_id": prep}])
+    fake.start(prep)
+    fake.finish(prep)
+    watch = await open_page(browser, fake_client)
+    page = watch.page
+    await serve_deliveries(page, {})
+    held: list[Route] = []
+
+    async def hold_the_first(route: Route) -> None:
+        if "submitted_after" in route.request.url and not held:
+            held.append(route)  # answered after the log's end has read the job again
+            return
+        await route.continue_()
+
+    await page.route("**/api/jobs/?*", hold_the_first)
+    await page.goto(str(fake_client.make_url(f"/#/jobs/{prep}")))
+    await expect(page.locator("#log-state")).to_contain_text("has ended")
+    await page.wait_for_timeout(300)  # the log end's read of the job and its related parts
+    assert len(held) == 1
+    await held[0].continue_()
+    await expect(rows(page, "dependents")).to_have_count(1)
+    assert await row_ids(page, "dependents") == [train]

@@ -98,7 +98,9 @@ export function renderJob(main, jobId, { signal, onError }) {
   // deleted); the dependents; the deliveries (null: a server without them).
   let dependencyDetails = new Map();
   let relatedReads = 0; // an older read that answers late is not shown over a newer one
-  let relatedStatus = null; // the job's status when its dependents were last looked for
+  // The job's status when its dependents were last shown: set only by the read that shows
+  // them, since a read overtaken by another (a refresh, the log's end) shows nothing.
+  let dependentsShownFor = null;
   let deliveriesTimer = null;
   signal.addEventListener("abort", () => {
     clearTimeout(quietTimer);
@@ -205,8 +207,8 @@ export function renderJob(main, jobId, { signal, onError }) {
   // be many pages away), the deliveries again while one is pending.
   async function refreshRelated() {
     const read = ++relatedReads;
-    const lookForDependents = relatedStatus !== job.status;
-    relatedStatus = job.status;
+    const status = job.status;
+    const lookForDependents = dependentsShownFor !== status;
     clearTimeout(deliveriesTimer);
     try {
       const [dependencies, dependents, deliveries] = await Promise.all([
@@ -217,7 +219,10 @@ export function renderJob(main, jobId, { signal, onError }) {
       if (read !== relatedReads || signal.aborted) return;
       dependencyDetails = dependencies;
       renderDetails();
-      if (dependents) renderDependents(dependentsSection, dependents);
+      if (dependents) {
+        renderDependents(dependentsSection, dependents);
+        dependentsShownFor = status;
+      }
       renderDeliveries(deliveriesSection, deliveries);
       if (anyPending(deliveries)) {
         deliveriesTimer = setTimeout(refreshRelated, QUIET_CHANGES_REFRESH_MS);
