@@ -10,6 +10,7 @@ server's: in-process on the session's Ray, and a real server process killed with
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -53,6 +54,7 @@ from tests.support.processes import free_port
 from tests.support.ray_nodes import kill_actors_in_namespace
 from tests.support.replicas import ReplicaGroup
 from tests.support.servers import is_healthy, start_jobs_server
+from tests.support.sse import SseReader
 from tests.support.webhooks import (
     DEADLINE_S,
     LOOPBACK_HTTP,
@@ -907,6 +909,17 @@ async def test_replicas_share_the_outbox_and_a_dead_ones_deliveries_are_sent_by_
         await asyncio.to_thread(group.stop)
 
 
+async def archived_end(api: aiohttp.ClientSession, job_id: str) -> None:
+    """Wait for the archive's event of the job's end (the event stream is the archive's)."""
+    async with api.get("/api/events", params={"after": "0"}) as stream:
+        assert stream.status == 200, await stream.text()
+        reader = SseReader(stream)
+        while True:
+            event = json.loads((await reader.next_event()).data)
+            if event["submission_id"] == job_id and event["status"] in ("SUCCEEDED", "FAILED"):
+                return
+
+
 @pytest.mark.slow
 async def test_a_tenant_endpoint_added_by_sighup_gets_the_next_jobs_events(
     ray_connection: str, tmp_path: Path, receivers: Callable[..., Awaitable[Receiver]]
@@ -947,6 +960,8 @@ async def test_a_tenant_endpoint_added_by_sighup_gets_the_next_jobs_events(
                 return job_id
 
             before = await run_job()
+            # Its end archived: the planner is asked then, and GET may see the end before.
+            await archived_end(api, before)
             tokens_file.write_text(
                 keys + f'webhooks = [{{ url = "{receiver.url}", events = ["job.succeeded"] }}]\n'
             )
