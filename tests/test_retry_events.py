@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 
 from jobs_server.app import create_app
+from jobs_server.manager.live.history import JobHistory
+from jobs_server.manager.records import JobRecord
 from jobs_server.settings import Settings
 from tests.support.api import Client, submit, wait_for_status
 from tests.support.commands import counted
@@ -21,6 +23,9 @@ from tests.support.commands import counted
 MakeClient = Callable[..., Awaitable[Client]]
 
 BACKOFF_S = 0.2
+# Longer than the job's attempts take, shorter than its end waits for its retries
+# (watcher.RETRIES_SETTLE_S).
+SLOW_ARCHIVE_S = 3.0
 READ_TIMEOUT_S = 30.0
 
 
@@ -90,6 +95,44 @@ async def test_each_failed_attempt_retried_is_a_status_event_before_the_end(
     assert all("starts in" in line["job"]["message"] for line in lines[2:4])
     ids = [line["id"] for line in lines]
     assert ids == sorted(ids)
+
+
+async def test_retries_that_end_before_the_server_asks_are_still_archived(
+    aiohttp_client: MakeClient,
+    settings: Settings,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The start's archiving is slow (a loaded machine, a slow database), and the server asks
+    for the retries only after it: the job's attempts have all ended by then, and its
+    supervisor has forgotten the run. The retries must still be archived, each an event before
+    the end (fresh-clone run O lost the last one this way)."""
+    learn_started = JobHistory.learn_started
+    slowed: list[str] = []
+
+    async def slow_first(
+        self: JobHistory, record: JobRecord, *, written: JobRecord | None = None
+    ) -> None:
+        if not slowed:
+            slowed.append(record.submission_id)
+            await asyncio.sleep(SLOW_ARCHIVE_S)
+        await learn_started(self, record, written=written)
+
+    monkeypatch.setattr(JobHistory, "learn_started", slow_first)
+    client = await aiohttp_client(
+        create_app(settings.model_copy(update={"retry_backoff_s": 0.0, "shared_supervisors": 1}))
+    )
+    counter = tmp_path / "attempts"
+    entrypoint = counted(counter, "if [ $n -lt 3 ]; then exit 7; fi; echo done")
+    job_id = await submit(client, entrypoint=entrypoint, max_retries=2)
+    await wait_for_status(client, job_id)
+    lines = await events_until(client, job_id, "SUCCEEDED")
+    assert slowed == [job_id]
+    assert [(line["status"], ended_attempts(line)) for line in lines[-3:]] == [
+        ("RUNNING", 1),
+        ("RUNNING", 2),
+        ("SUCCEEDED", 3),
+    ]
 
 
 async def test_a_job_without_retries_has_one_event_per_status(

@@ -242,8 +242,9 @@ class JobWatchers:
                         )
                     if not finished.done():
                         await self._history.learn_started(record)
-                if record.spec.max_retries > 0 and not finished.done():
-                    # Started: its supervisor has the run, and tells each retry.
+                if record.spec.max_retries > 0:
+                    # Started: its supervisor tells each retry, and the last one once the run
+                    # has ended too (it may have, while the start was archived).
                     retries = asyncio.create_task(
                         self._follow_retries(written_start or record, supervisor)
                     )

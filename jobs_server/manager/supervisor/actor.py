@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import subprocess
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,11 @@ from jobs_server.manager.supervisor.run_reports import (
 
 logger = logging.getLogger(__name__)
 
+# The last retry of each of this many runs that ended, kept after the run is forgotten: the
+# server asks for a run's retries once its start is archived, which on a loaded machine can be
+# after every attempt has ended (`wait_attempt_ended`).
+ENDED_RUNS_RETRIES_KEPT = 1024
+
 
 class JobSupervisor:
     """Runs jobs to their end; every method is keyed by submission id and safe to call again."""
@@ -68,6 +74,8 @@ class JobSupervisor:
         self._kv_namespace = kv_namespace
         self._jobs_nice = jobs_nice
         self._runs: dict[str, JobRun] = {}
+        # By (submission id, run id), the last retry written of runs that ended; oldest first.
+        self._ended_runs_retries: OrderedDict[tuple[str, str], JobRecord] = OrderedDict()
         # Spooled logs the server has not pulled to the end yet, by submission id.
         self._spools: dict[str, Path] = {}
         # Jobs someone waits for that `run_job` has not brought yet: an async actor need not
@@ -185,7 +193,11 @@ class JobSupervisor:
         the retries of a job that may have them (live/watcher.py)."""
         run = self._runs.get(submission_id)
         if run is None or run.task is None or run.job.run_id != run_id:
-            return None
+            # Ended (and forgotten) before the server asked: its last retry, if it is news.
+            last = self._ended_runs_retries.get((submission_id, run_id))
+            if last is None or len(last.attempts) <= ended_attempts:
+                return None
+            return last.model_dump(mode="json")
         written = await run.wait_retry_beyond(ended_attempts)
         return None if written is None else written.model_dump(mode="json")
 
@@ -267,6 +279,10 @@ class JobSupervisor:
     def _forget_run(self, run: JobRun, _: object) -> None:
         if self._runs.get(run.job.submission_id) is run:
             del self._runs[run.job.submission_id]
+        if run.retry_written is not None:
+            self._ended_runs_retries[(run.job.submission_id, run.job.run_id)] = run.retry_written
+            while len(self._ended_runs_retries) > ENDED_RUNS_RETRIES_KEPT:
+                self._ended_runs_retries.popitem(last=False)
 
     def _log_path_here(self, job: SupervisedJob) -> Path:
         """The server's log file if it is on this node, else a spool file of this node's."""
