@@ -21,7 +21,6 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from jobs_server.manager.archive.outbox import (
     DeliveryState,
     DisabledWebhookEndpoint,
-    Outbox,
     TargetSource,
     WebhookDelivery,
 )
@@ -288,7 +287,3 @@ class MemoryOutbox:
 
     def state_of(self, delivery: WebhookDelivery) -> WebhookDelivery:
         return self.rows[delivery.id]
-
-
-def _implements_the_protocol(outbox: MemoryOutbox) -> Outbox:
-    return outbox  # mypy checks that the fake keeps up with the protocol

@@ -109,6 +109,11 @@ def never_message(
     return f"{submission_id} {what}; this job needed it {_WANTED[condition]}"
 
 
+def names_as_never(message: str, submission_id: str) -> bool:
+    """Whether a never-satisfied job's `message` (`never_message`) names `submission_id`."""
+    return message.startswith((f"{submission_id} ended ", f"{submission_id} was deleted;"))
+
+
 def met_by_record(record: JobRecord) -> dict[str, bool]:
     """What the job's record alone tells of its dependencies, by id: every one met once it
     entered the queue; one held before its deletion met; the one a job that ended
@@ -120,9 +125,8 @@ def met_by_record(record: JobRecord) -> dict[str, bool]:
     met = {job_id: True for job_id in record.dependencies_held}
     if record.error_type == JobErrorType.DEPENDENCY_NEVER_SATISFIED and record.message:
         for dependency in dependencies:
-            job_id = dependency.submission_id
-            if record.message.startswith((f"{job_id} ended ", f"{job_id} was deleted;")):
-                met[job_id] = False
+            if names_as_never(record.message, dependency.submission_id):
+                met[dependency.submission_id] = False
                 break
     return met
 
